@@ -1,0 +1,208 @@
+"""`TNLGConfig`: the configuration of a pre-LayerNorm GPT decoder, with the Turing-NLG presets.
+
+The field names are the standard Transformers ones (`hidden_size`, `num_hidden_layers`, ...), so code
+written for other Transformers decoders reads this config unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
+
+# GPT-2's byte-level BPE has 50257 tokens. Megatron pads the embedding table to a multiple of
+# `make_vocab_size_divisible_by` (128) times the tensor-parallel size so that every shard is
+# aligned; with one tensor-parallel rank that is 50304, the size every preset uses (the
+# published T-NLG / MT-NLG figures are quoted for the 50257 tokenizer; the padding adds 47 rows,
+# 0.2M parameters at 4256 wide). The padded rows are never produced by the tokenizer.
+GPT2_VOCAB_SIZE = 50257
+PADDED_GPT2_VOCAB_SIZE = 50304
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The shape of a published model; everything else takes `TNLGConfig`'s defaults."""
+
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    max_position_embeddings: int
+    vocab_size: int = PADDED_GPT2_VOCAB_SIZE
+    description: str = ""
+
+
+PRESETS: dict[str, Preset] = {
+    # Tiny, for tests and the default run on a CPU: builds and trains in milliseconds.
+    "debug": Preset(2, 64, 4, 128, vocab_size=512, description="tiny model for tests"),
+    # The GPT-3 paper's small / medium / XL shapes (Brown et al. 2020, table 2.1); XL with 16
+    # heads of 128 as in Megatron-LM's 1.3B example, since 24 heads do not divide 2048.
+    "tnlg-125m": Preset(12, 768, 12, 2048, description="GPT-3 Small shape"),
+    "tnlg-350m": Preset(24, 1024, 16, 2048, description="GPT-3 Medium shape"),
+    "tnlg-1.3b": Preset(24, 2048, 16, 2048, description="GPT-3 XL shape"),
+    # Turing-NLG (Microsoft, Feb 2020): 78 layers, hidden 4256, 28 heads, 1024 tokens.
+    "tnlg-17b": Preset(78, 4256, 28, 1024, description="Turing-NLG 17B"),
+    # Megatron-Turing NLG (Smith et al. 2022): 105 layers, hidden 20480, 128 heads, 2048 tokens.
+    "mt-nlg-530b": Preset(105, 20480, 128, 2048, description="Megatron-Turing NLG 530B"),
+}
+
+
+class TNLGConfig(PreTrainedConfig):
+    r"""Configuration of a TNLG (pre-LayerNorm GPT-2 / Megatron GPT) decoder.
+
+    Args:
+        vocab_size: rows of the token embedding (and of the tied output layer).
+        max_position_embeddings: number of learned absolute positions, the longest sequence.
+        hidden_size: width of the residual stream.
+        num_hidden_layers: number of decoder blocks.
+        num_attention_heads: attention heads per block; must divide `hidden_size`.
+        intermediate_size: width of the MLP; `None` means `4 * hidden_size`.
+        hidden_act: MLP activation, a key of `transformers.activations.ACT2FN`. `gelu_new` (the tanh
+            approximation) is what GPT-2 and Megatron's fused bias-GeLU compute.
+        layer_norm_epsilon: epsilon of every LayerNorm.
+        initializer_range: std of the normal init; residual output projections use
+            `initializer_range / sqrt(2 * num_hidden_layers)` (GPT-2 / Megatron scaled init).
+        embedding_dropout, attention_dropout, hidden_dropout: dropout probabilities.
+        use_cache: return a KV cache from forward by default.
+        tie_word_embeddings: the output layer shares the token embedding matrix.
+    """
+
+    model_type = "tnlg"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    vocab_size: int = PADDED_GPT2_VOCAB_SIZE
+    max_position_embeddings: int = 2048
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int | None = None
+    hidden_act: str = "gelu_new"
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+    embedding_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    use_cache: bool = True
+    bos_token_id: int | None = GPT2_VOCAB_SIZE - 1
+    eos_token_id: int | list[int] | None = GPT2_VOCAB_SIZE - 1
+    pad_token_id: int | None = None
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        if self.intermediate_size is None:
+            self.intermediate_size = 4 * self.hidden_size
+        super().__post_init__(**kwargs)
+        self.check_architecture()
+
+    # Not named `validate_*`: Transformers' strict-dataclass machinery would wrap the ValueError
+    # in its own exception type, and callers catch ValueError.
+    def check_architecture(self) -> None:
+        """Raise `ValueError` naming the first field whose value cannot build a model."""
+        for name in (
+            "vocab_size",
+            "max_position_embeddings",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"TNLGConfig.{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads != 0:
+            divisors = [h for h in range(1, min(self.hidden_size, 256) + 1) if self.hidden_size % h == 0]
+            raise ValueError(
+                f"TNLGConfig.hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads}); head counts that divide it: {divisors}"
+            )
+        for name in ("embedding_dropout", "attention_dropout", "hidden_dropout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ValueError(f"TNLGConfig.{name} must be a probability in [0, 1), got {value!r}")
+        if not isinstance(self.layer_norm_epsilon, (int, float)) or self.layer_norm_epsilon <= 0:
+            raise ValueError(f"TNLGConfig.layer_norm_epsilon must be > 0, got {self.layer_norm_epsilon!r}")
+        if not isinstance(self.initializer_range, (int, float)) or self.initializer_range <= 0:
+            raise ValueError(f"TNLGConfig.initializer_range must be > 0, got {self.initializer_range!r}")
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(
+                f"TNLGConfig.hidden_act {self.hidden_act!r} is not an activation Transformers knows; "
+                f"allowed: {sorted(ACT2FN)}"
+            )
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> TNLGConfig:
+        """The config of a named preset (`TNLGConfig.presets()`), with any field overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown TNLG preset {name!r}; allowed: {sorted(PRESETS)}")
+        preset = PRESETS[name]
+        fields = {
+            "num_hidden_layers": preset.num_hidden_layers,
+            "hidden_size": preset.hidden_size,
+            "num_attention_heads": preset.num_attention_heads,
+            "max_position_embeddings": preset.max_position_embeddings,
+            "vocab_size": preset.vocab_size,
+        }
+        if preset.vocab_size < GPT2_VOCAB_SIZE:
+            # A vocabulary smaller than GPT-2's cannot hold its end-of-text id; the last row plays it.
+            fields["bos_token_id"] = fields["eos_token_id"] = preset.vocab_size - 1
+        fields.update(overrides)
+        return cls(**fields)
+
+    @staticmethod
+    def presets() -> dict[str, Preset]:
+        """The named presets, by name."""
+        return dict(PRESETS)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def num_parameters(self, *, include_embeddings: bool = True) -> int:
+        """The exact parameter count of `TNLGForCausalLM` with this config, computed analytically.
+
+        Per block: fused QKV (H x 3H + 3H), attention output (H x H + H), MLP in (H x I + I) and out
+        (I x H + H), and two LayerNorms (2H each). Outside the blocks: token and position
+        embeddings, the final LayerNorm, and an untied output layer when embeddings are not tied.
+        """
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attention = h * 3 * h + 3 * h + h * h + h
+        mlp = h * i + i + i * h + h
+        layer_norms = 2 * 2 * h
+        blocks = self.num_hidden_layers * (attention + mlp + layer_norms)
+        final_norm = 2 * h
+        if not include_embeddings:
+            return blocks + final_norm
+        embeddings = v * h + self.max_position_embeddings * h
+        output_layer = 0 if self.tie_word_embeddings else v * h
+        return blocks + final_norm + embeddings + output_layer
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward + backward): 6N plus the attention term 12 * L * T * H.
+
+        N counts the parameters that take part in matmuls: the blocks plus the output projection
+        (the embedding lookups are not matmuls, the logits are). The attention term is the QK^T and
+        AV matmuls, 2 FLOPs x T x H each per token per layer forward, tripled for forward + backward;
+        this is PaLM's MFU definition (Chowdhery et al. 2022, appendix B), with no causal discount.
+        Activation recomputation is not counted: MFU uses model FLOPs, not hardware FLOPs.
+        """
+        seq_len = self.max_position_embeddings if seq_len is None else seq_len
+        if seq_len <= 0:
+            raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
+        matmul_params = self.num_parameters(include_embeddings=False) + self.vocab_size * self.hidden_size
+        attention = 12 * self.num_hidden_layers * seq_len * self.hidden_size
+        return 6 * matmul_params + attention
+
+    def describe(self) -> str:
+        """One line: layers, width, heads, parameters."""
+        count = self.num_parameters()
+        size = next(
+            f"{count / scale:.1f}{unit}"
+            for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
+            if count >= scale
+        )
+        return (
+            f"{self.num_hidden_layers} layers x {self.hidden_size} hidden x {self.num_attention_heads} heads "
+            f"(head dim {self.head_dim}), {self.max_position_embeddings} positions, vocab {self.vocab_size}: "
+            f"{size} parameters"
+        )

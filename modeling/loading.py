@@ -1,0 +1,47 @@
+"""Strict checkpoint loading: a checkpoint that does not fit the model is an error, not a warning.
+
+Transformers' `from_pretrained` initialises missing tensors randomly and drops unexpected ones with
+a warning; for a training run that silently corrupts a resumed or converted model. TNLG raises
+`CheckpointMismatchError` listing every offending tensor instead (`strict=False` restores the
+Transformers behaviour).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint that does not fit the model: lists every missing, unexpected and mis-shaped tensor."""
+
+    def __init__(
+        self,
+        missing: Iterable[str] = (),
+        unexpected: Iterable[str] = (),
+        mis_shaped: Iterable[tuple[str, tuple[int, ...], tuple[int, ...]]] = (),
+        source: str = "checkpoint",
+    ):
+        self.missing, self.unexpected = sorted(missing), sorted(unexpected)
+        self.mis_shaped = sorted(mis_shaped)
+        lines = [f"{source} does not match the TNLG model:"]
+        if self.missing:
+            lines.append(f"  missing ({len(self.missing)}): {', '.join(self.missing)}")
+        if self.unexpected:
+            lines.append(f"  unexpected ({len(self.unexpected)}): {', '.join(self.unexpected)}")
+        for name, got, want in self.mis_shaped:
+            lines.append(f"  mis-shaped: {name} has shape {list(got)}, the model expects {list(want)}")
+        super().__init__("\n".join(lines))
+
+
+def raise_on_mismatch(loading_info: dict, source: str) -> None:
+    """Raise `CheckpointMismatchError` if Transformers' loading info reports any mismatch."""
+    missing = loading_info.get("missing_keys") or ()
+    unexpected = loading_info.get("unexpected_keys") or ()
+    mis_shaped = [
+        (str(entry[0]), tuple(entry[1]), tuple(entry[2]))
+        if isinstance(entry, tuple) and len(entry) == 3
+        else (str(entry), (), ())
+        for entry in loading_info.get("mismatched_keys") or ()
+    ]
+    if missing or unexpected or mis_shaped:
+        raise CheckpointMismatchError(missing, unexpected, mis_shaped, source)

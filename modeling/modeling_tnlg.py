@@ -1,0 +1,349 @@
+"""The TNLG model: a pre-LayerNorm GPT decoder (GPT-2 / Megatron GPT layout) for Transformers.
+
+Reads top to bottom: attention → MLP → block → PreTrainedModel → TNLGModel → TNLGForCausalLM.
+Shapes use B = batch, T = new tokens, S = tokens attended to (cache + new), H = hidden size,
+nh = heads, hd = head dim. The model knows nothing about sharding: the ZeRO engine wraps it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_tnlg import TNLGConfig
+from .loading import raise_on_mismatch
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,  # (B, nh, T, hd)
+    key: torch.Tensor,  # (B, nh, S, hd)
+    value: torch.Tensor,  # (B, nh, S, hd)
+    attention_mask: torch.Tensor | None,  # (B, 1, T, S) additive, or None
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention written out; the reference the fused implementations (sdpa, flash) must match."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, nh, T, S)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    # Softmax in fp32 even for 16-bit inputs: large logits overflow fp16 and lose bf16 precision.
+    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
+    output = torch.matmul(probs, value).transpose(1, 2).contiguous()  # (B, T, nh, hd)
+    return output, probs
+
+
+class TNLGAttention(nn.Module):
+    """Causal self-attention with one fused QKV projection whose output rows are `[q | k | v]`.
+
+    The `[q | k | v]` order is GPT-2's; Megatron interleaves per head (`[nh, 3, hd]`), and
+    `tnlg.convert` reorders its rows on the way in.
+    """
+
+    def __init__(self, config: TNLGConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True  # read by the sdpa / flash interfaces
+        self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.out_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.resid_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # (B, T, H)
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, length, _ = hidden_states.shape
+        qkv = self.qkv_proj(hidden_states)  # (B, T, 3H)
+        qkv = qkv.view(batch, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        query, key, value = qkv.unbind(0)  # each (B, nh, T, hd)
+
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)  # (B, nh, S, hd)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        output, weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.config.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        output = output.reshape(batch, length, -1).contiguous()  # (B, T, H)
+        return self.resid_dropout(self.out_proj(output)), weights
+
+
+class TNLGMLP(nn.Module):
+    """H → intermediate → H with a GeLU between (4H wide by default)."""
+
+    def __init__(self, config: TNLGConfig):
+        super().__init__()
+        self.fc_in = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = ACT2FN[config.hidden_act]
+        self.fc_out = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc_out(self.act(self.fc_in(hidden_states))))
+
+
+class TNLGBlock(GradientCheckpointingLayer):
+    """Pre-LayerNorm residual block: x + attn(ln(x)), then x + mlp(ln(x)).
+
+    The LayerNorm before each sublayer (GPT-2, Megatron) keeps the residual stream unnormalized,
+    which is what lets very deep stacks (78 and 105 layers) train stably.
+    """
+
+    def __init__(self, config: TNLGConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.self_attn = TNLGAttention(config, layer_idx)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mlp = TNLGMLP(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # (B, T, H)
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        attn_output, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = hidden_states + attn_output
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class TNLGPreTrainedModel(PreTrainedModel):
+    config_class = TNLGConfig
+    config: TNLGConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["TNLGBlock"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    _can_record_outputs = {"hidden_states": TNLGBlock, "attentions": TNLGAttention}
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, strict: bool = True, **kwargs):
+        """Transformers' `from_pretrained`, failing on missing, unexpected or mis-shaped tensors.
+
+        With `strict=False` it behaves as in Transformers (random init for missing tensors).
+        See `tnlg.modeling.loading` for why.
+        """
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
+        )
+        if strict:
+            raise_on_mismatch(info, source=str(pretrained_model_name_or_path))
+        return (model, info) if want_info else model
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2 init: N(0, initializer_range) for matmuls and embeddings, zero biases, unit norms.
+
+        The two projections that write into the residual stream (attention out, MLP out) get
+        std / sqrt(2 * num_hidden_layers): each block adds two such outputs, so the stream's
+        variance stays independent of depth (GPT-2 paper, section 2.3; Megatron's scaled init).
+        """
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        if isinstance(module, (TNLGAttention, TNLGMLP)):
+            residual_projection = module.out_proj if isinstance(module, TNLGAttention) else module.fc_out
+            init.normal_(
+                residual_projection.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers)
+            )
+
+
+class TNLGModel(TNLGPreTrainedModel):
+    """Embeddings (tokens + learned positions) → blocks → final LayerNorm."""
+
+    def __init__(self, config: TNLGConfig):
+        config.check_architecture()  # a config mutated after construction is checked again here
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.embed_dropout = nn.Dropout(config.embedding_dropout)
+        self.layers = nn.ModuleList([TNLGBlock(config, i) for i in range(config.num_hidden_layers)])
+        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,  # (B, T)
+        attention_mask: torch.Tensor | None = None,  # (B, S): 1 = attend, 0 = padding
+        position_ids: torch.LongTensor | None = None,  # (B, T)
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,  # (B, T, H)
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("TNLGModel.forward needs exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        length = inputs_embeds.shape[1]
+
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+
+        if position_ids is None:
+            position_ids = self._default_position_ids(
+                attention_mask, past_length, length, inputs_embeds.device
+            )
+        if past_length + length > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence of {past_length + length} tokens is longer than the model's "
+                f"max_position_embeddings ({self.config.max_position_embeddings})"
+            )
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+
+        hidden_states = self.embed_dropout(inputs_embeds + self.embed_positions(position_ids))  # (B, T, H)
+        for block in self.layers:
+            hidden_states = block(
+                hidden_states,
+                attention_mask=causal_mask,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+                **kwargs,
+            )
+        hidden_states = self.final_layernorm(hidden_states)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+        )
+
+    @staticmethod
+    def _default_position_ids(
+        attention_mask: torch.Tensor | None, past_length: int, length: int, device: torch.device
+    ) -> torch.LongTensor:
+        """Positions of the new tokens: counted over attended tokens only when a 2D mask is given.
+
+        Counting from the mask makes a left-padded row see the same positions as the unpadded
+        sequence, so batched and single-sequence forwards agree. Padding slots get position 0;
+        they are masked out of attention anyway.
+        """
+        if attention_mask is not None and attention_mask.dim() == 2:
+            positions = attention_mask.long().cumsum(-1) - 1
+            return positions.clamp(min=0)[:, -length:]  # (B, T)
+        return torch.arange(past_length, past_length + length, device=device).unsqueeze(0)  # (1, T)
+
+
+class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
+    """TNLGModel plus the output layer (tied to the token embedding by default) and the LM loss."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: TNLGConfig):
+        super().__init__(config)
+        self.model = TNLGModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,  # (B, T); -100 = no loss; shifted inside
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        # Generation needs only the last position's logits: skip the (B, T, V) matmul for the rest.
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])  # (B, T', V)
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs
+            )
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["TNLGForCausalLM", "TNLGModel", "TNLGPreTrainedModel"]

@@ -1,0 +1,128 @@
+"""Transformers GPT-2 → TNLG.
+
+GPT-2 stores its projections as `Conv1D` with weights shaped (in, out); TNLG uses `nn.Linear`,
+(out, in), so every matmul weight is transposed. GPT-2's fused `c_attn` already has its output
+columns in `[q | k | v]` order, which is TNLG's, so QKV needs no reordering.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, PreTrainedModel
+
+from tnlg.modeling import TNLGConfig, TNLGForCausalLM
+
+from .state_dicts import build_model, load_tensors
+
+# GPT-2 name (after the `transformer.` prefix) → (TNLG name, transpose?)
+_BLOCK_NAMES = {
+    "ln_1.weight": ("input_layernorm.weight", False),
+    "ln_1.bias": ("input_layernorm.bias", False),
+    "attn.c_attn.weight": ("self_attn.qkv_proj.weight", True),
+    "attn.c_attn.bias": ("self_attn.qkv_proj.bias", False),
+    "attn.c_proj.weight": ("self_attn.out_proj.weight", True),
+    "attn.c_proj.bias": ("self_attn.out_proj.bias", False),
+    "ln_2.weight": ("post_attention_layernorm.weight", False),
+    "ln_2.bias": ("post_attention_layernorm.bias", False),
+    "mlp.c_fc.weight": ("mlp.fc_in.weight", True),
+    "mlp.c_fc.bias": ("mlp.fc_in.bias", False),
+    "mlp.c_proj.weight": ("mlp.fc_out.weight", True),
+    "mlp.c_proj.bias": ("mlp.fc_out.bias", False),
+}
+_TOP_NAMES = {
+    "wte.weight": "model.embed_tokens.weight",
+    "wpe.weight": "model.embed_positions.weight",
+    "ln_f.weight": "model.final_layernorm.weight",
+    "ln_f.bias": "model.final_layernorm.bias",
+}
+# Causal-mask buffers that old GPT-2 checkpoints saved; TNLG builds masks on the fly.
+_IGNORED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
+_BLOCK = re.compile(r"h\.(\d+)\.(.+)$")
+
+
+def tnlg_config_from_gpt2(gpt2_config: GPT2Config) -> TNLGConfig:
+    """The TNLG config computing the same function as `gpt2_config`; refuses GPT-2 options TNLG lacks."""
+    unsupported = {
+        "scale_attn_by_inverse_layer_idx": getattr(gpt2_config, "scale_attn_by_inverse_layer_idx", False),
+        "add_cross_attention": getattr(gpt2_config, "add_cross_attention", False),
+        "scale_attn_weights is False": not getattr(gpt2_config, "scale_attn_weights", True),
+    }
+    if any(unsupported.values()):
+        raise ValueError(
+            f"GPT-2 options TNLG does not implement are set: {[k for k, v in unsupported.items() if v]}"
+        )
+    return TNLGConfig(
+        vocab_size=gpt2_config.vocab_size,
+        max_position_embeddings=gpt2_config.n_positions,
+        hidden_size=gpt2_config.n_embd,
+        num_hidden_layers=gpt2_config.n_layer,
+        num_attention_heads=gpt2_config.n_head,
+        intermediate_size=gpt2_config.n_inner or 4 * gpt2_config.n_embd,
+        hidden_act=gpt2_config.activation_function,
+        layer_norm_epsilon=gpt2_config.layer_norm_epsilon,
+        initializer_range=gpt2_config.initializer_range,
+        embedding_dropout=float(gpt2_config.embd_pdrop),
+        attention_dropout=float(gpt2_config.attn_pdrop),
+        hidden_dropout=float(gpt2_config.resid_pdrop),
+        bos_token_id=gpt2_config.bos_token_id,
+        eos_token_id=gpt2_config.eos_token_id,
+        pad_token_id=gpt2_config.pad_token_id,
+        tie_word_embeddings=gpt2_config.tie_word_embeddings,
+    )
+
+
+def gpt2_state_dict_to_tnlg(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename and transpose a GPT-2 state dict (from `GPT2LMHeadModel` or `GPT2Model`) to TNLG names.
+
+    Raises `ValueError` listing every tensor name it does not recognise, rather than dropping it.
+    """
+    converted: dict[str, torch.Tensor] = {}
+    unknown = []
+    for name, tensor in state_dict.items():
+        if name == "lm_head.weight":
+            converted["lm_head.weight"] = tensor
+            continue
+        short = name.removeprefix("transformer.")
+        if _IGNORED.match(short):
+            continue
+        if short in _TOP_NAMES:
+            converted[_TOP_NAMES[short]] = tensor
+            continue
+        block = _BLOCK.match(short)
+        if block and block.group(2) in _BLOCK_NAMES:
+            target, transpose = _BLOCK_NAMES[block.group(2)]
+            converted[f"model.layers.{block.group(1)}.{target}"] = (
+                tensor.t().contiguous() if transpose else tensor
+            )
+            continue
+        unknown.append(name)
+    if unknown:
+        raise ValueError(f"GPT-2 state dict has tensors the converter does not know: {unknown}")
+    return converted
+
+
+def from_gpt2(
+    model_or_dir: PreTrainedModel | str | Path, dtype: torch.dtype | None = None
+) -> TNLGForCausalLM:
+    """A `TNLGForCausalLM` equal to a Transformers GPT-2 model, given the model or its checkpoint dir.
+
+    A directory is read as files (config.json + safetensors, or `pytorch_model.bin` with
+    `weights_only=True`); no GPT-2 model is instantiated. `dtype` casts the result (default: keep).
+    """
+    if isinstance(model_or_dir, PreTrainedModel):
+        # Cloned: the converted model must not share storage with the caller's GPT-2 model.
+        gpt2_config = model_or_dir.config
+        tensors = {name: t.detach().clone() for name, t in model_or_dir.state_dict().items()}
+        source = type(model_or_dir).__name__
+    else:
+        path = Path(model_or_dir)
+        gpt2_config = GPT2Config.from_pretrained(path)
+        tensors, source = load_tensors(path), str(path)
+    if getattr(gpt2_config, "model_type", None) != "gpt2":
+        raise ValueError(f"{source} is a {getattr(gpt2_config, 'model_type', '?')!r} model, not 'gpt2'")
+    model = build_model(tnlg_config_from_gpt2(gpt2_config), gpt2_state_dict_to_tnlg(tensors), source)
+    return model.to(dtype) if dtype is not None else model

@@ -1,0 +1,312 @@
+"""Megatron-LM GPT checkpoints → TNLG.
+
+Handles both naming schemes Megatron has used:
+- Megatron-core `GPTModel` (`decoder.layers.N.self_attention.linear_qkv.weight`, with the local or the
+  Transformer-Engine spec, whose LayerNorms are fused into the next linear as `layer_norm_weight`);
+- legacy Megatron-LM (`language_model.encoder.layers.N.self_attention.query_key_value.weight`,
+  older `transformer`/`attention` spellings, nested-dict checkpoints).
+
+Tensor-parallel shards are concatenated along the dimension each layer was split on (column
+parallel: output rows; row parallel: input columns; norms and row-parallel biases replicated);
+pipeline stages are stacked in order. The fused QKV rows are stored per head, `[nh, 3, hd]` (legacy
+checkpoint_version 1.0 used `[nh, hd, 3]`, version 0 `[3, nh, hd]`); TNLG wants `[3, nh, hd]`.
+The padded vocabulary is trimmed to `vocab_size` when given.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tnlg.modeling import TNLGConfig, TNLGForCausalLM
+
+from .state_dicts import build_model, load_tensors, load_torch_file
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Role:
+    tnlg_name: str  # with `{layer}` for per-layer tensors
+    tp_dim: int | None  # dimension split across tensor-parallel ranks; None = replicated
+
+
+_LAYER_ROLES: dict[str, _Role] = {
+    "ln1.weight": _Role("model.layers.{layer}.input_layernorm.weight", None),
+    "ln1.bias": _Role("model.layers.{layer}.input_layernorm.bias", None),
+    "qkv.weight": _Role("model.layers.{layer}.self_attn.qkv_proj.weight", 0),
+    "qkv.bias": _Role("model.layers.{layer}.self_attn.qkv_proj.bias", 0),
+    "proj.weight": _Role("model.layers.{layer}.self_attn.out_proj.weight", 1),
+    "proj.bias": _Role("model.layers.{layer}.self_attn.out_proj.bias", None),
+    "ln2.weight": _Role("model.layers.{layer}.post_attention_layernorm.weight", None),
+    "ln2.bias": _Role("model.layers.{layer}.post_attention_layernorm.bias", None),
+    "fc1.weight": _Role("model.layers.{layer}.mlp.fc_in.weight", 0),
+    "fc1.bias": _Role("model.layers.{layer}.mlp.fc_in.bias", 0),
+    "fc2.weight": _Role("model.layers.{layer}.mlp.fc_out.weight", 1),
+    "fc2.bias": _Role("model.layers.{layer}.mlp.fc_out.bias", None),
+}
+_TOP_ROLES: dict[str, _Role] = {
+    "embed": _Role("model.embed_tokens.weight", 0),
+    "pos": _Role("model.embed_positions.weight", None),
+    "final_ln.weight": _Role("model.final_layernorm.weight", None),
+    "final_ln.bias": _Role("model.final_layernorm.bias", None),
+    "output": _Role("lm_head.weight", 0),
+}
+# Suffix of a per-layer name (core and legacy spellings) → role, with `weight|bias` kept.
+_LAYER_SUFFIXES = [
+    (re.compile(r"input_layernorm\.(weight|bias)$"), "ln1"),
+    (re.compile(r"self_attention\.linear_qkv\.layer_norm_(weight|bias)$"), "ln1"),
+    (re.compile(r"self_attention\.linear_qkv\.(weight|bias)$"), "qkv"),
+    (re.compile(r"(?:self_attention|attention)\.query_key_value\.(weight|bias)$"), "qkv"),
+    (re.compile(r"self_attention\.linear_proj\.(weight|bias)$"), "proj"),
+    (re.compile(r"(?:self_attention|attention)\.dense\.(weight|bias)$"), "proj"),
+    (re.compile(r"(?:pre_mlp_layernorm|post_attention_layernorm)\.(weight|bias)$"), "ln2"),
+    (re.compile(r"mlp\.linear_fc1\.layer_norm_(weight|bias)$"), "ln2"),
+    (re.compile(r"mlp\.(?:linear_fc1|dense_h_to_4h)\.(weight|bias)$"), "fc1"),
+    (re.compile(r"mlp\.(?:linear_fc2|dense_4h_to_h)\.(weight|bias)$"), "fc2"),
+]
+_LAYER = re.compile(r"^(?:decoder|language_model\.(?:encoder|transformer))\.layers\.(\d+)\.(.+)$")
+_TOP = [
+    (re.compile(r"^(?:language_model\.)?embedding\.word_embeddings\.weight$"), "embed"),
+    (re.compile(r"^(?:language_model\.)?embedding\.position_embeddings\.weight$"), "pos"),
+    (
+        re.compile(r"^(?:decoder|language_model\.(?:encoder|transformer))\.final_(?:layer)?norm\.(weight)$"),
+        "final_ln.weight",
+    ),
+    (
+        re.compile(r"^(?:decoder|language_model\.(?:encoder|transformer))\.final_(?:layer)?norm\.(bias)$"),
+        "final_ln.bias",
+    ),
+    (re.compile(r"^(?:language_model\.)?output_layer\.weight$"), "output"),
+]
+# Transformer-Engine metadata and the legacy last-stage copy of the tied embedding.
+_IGNORED = re.compile(r"(_extra_state$|word_embeddings_for_head\.weight$)")
+_WRAPPER_PREFIXES = ("module.", "model.")
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    """Nested dicts of tensors (legacy Megatron's `model['language_model']['encoder']...`) → dotted names."""
+    flat: dict[str, torch.Tensor] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{name}."))
+        elif isinstance(value, torch.Tensor):
+            flat[name] = value
+    return flat
+
+
+def _classify(name: str) -> tuple[str, int | None] | None:
+    """(role, layer) for a Megatron tensor name; None if ignorable; raises KeyError if unknown.
+
+    A DDP / Float16Module wrapper prefix (`module.`, `model.`) is stripped when the name is not
+    recognised with it.
+    """
+    if _IGNORED.search(name):
+        return None
+    layer = _LAYER.match(name)
+    if layer:
+        for pattern, role in _LAYER_SUFFIXES:
+            match = pattern.fullmatch(layer.group(2))
+            if match:
+                return f"{role}.{match.group(1)}", int(layer.group(1))
+    for pattern, role in _TOP:
+        if pattern.match(name):
+            return role, None
+    for prefix in _WRAPPER_PREFIXES:
+        if name.startswith(prefix):
+            return _classify(name[len(prefix) :])
+    raise KeyError(name)
+
+
+def _reorder_qkv(tensor: torch.Tensor, num_heads: int, checkpoint_version: float) -> torch.Tensor:
+    """Megatron's per-head QKV row order → TNLG's `[q | k | v]` (rows are dim 0; weight or bias)."""
+    rows = tensor.shape[0]
+    head_dim = rows // (3 * num_heads)
+    if head_dim * 3 * num_heads != rows:
+        raise ValueError(
+            f"fused QKV has {rows} rows, not 3 x num_attention_heads ({num_heads}) x head_dim; grouped-query "
+            "attention checkpoints are not supported by TNLG"
+        )
+    rest = tensor.shape[1:]
+    if checkpoint_version == 0:  # already [3, nh, hd]
+        return tensor.clone()
+    if checkpoint_version < 2.0:  # [nh, hd, 3]
+        per_head = tensor.view(num_heads, head_dim, 3, *rest).permute(2, 0, 1, *range(3, 3 + len(rest)))
+    else:  # [nh, 3, hd]
+        per_head = tensor.view(num_heads, 3, head_dim, *rest).transpose(0, 1)
+    return per_head.reshape(rows, *rest).contiguous()
+
+
+def megatron_state_dict_to_tnlg(
+    shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
+    num_attention_heads: int,
+    checkpoint_version: float = 3.0,
+    vocab_size: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Merge `{(tp_rank, pp_rank): flat state dict}` into one TNLG-named state dict."""
+    tp_size = 1 + max(tp for tp, _ in shards)
+    pp_size = 1 + max(pp for _, pp in shards)
+    missing_shards = [(tp, pp) for tp in range(tp_size) for pp in range(pp_size) if (tp, pp) not in shards]
+    if missing_shards:
+        raise ValueError(f"Megatron checkpoint lacks (tensor, pipeline) rank shards {missing_shards}")
+
+    pieces: dict[tuple[str, int | None], list[torch.Tensor]] = {}
+    unknown: list[str] = []
+    layer_offset = 0
+    for pp in range(pp_size):
+        stage_layers = 0
+        for tp in range(tp_size):
+            for name, tensor in shards[(tp, pp)].items():
+                try:
+                    classified = _classify(name)
+                except KeyError:
+                    unknown.append(name)
+                    continue
+                if classified is None:
+                    continue
+                role, layer = classified
+                if layer is not None:
+                    stage_layers = max(stage_layers, layer + 1)
+                    layer += layer_offset
+                elif (role, None) in pieces and len(pieces[(role, None)]) == tp_size:
+                    continue  # a later pipeline stage's copy (tied embedding on the last stage)
+                pieces.setdefault((role, layer), []).append(tensor)
+        layer_offset += stage_layers
+    if unknown:
+        raise ValueError(f"Megatron state dict has tensors the converter does not know: {sorted(unknown)}")
+    if ("pos", None) not in pieces:
+        raise ValueError(
+            "Megatron checkpoint has no learned position embeddings (rotary models are not TNLG models)"
+        )
+
+    converted: dict[str, torch.Tensor] = {}
+    for (role, layer), tensors in pieces.items():
+        spec = _LAYER_ROLES[role] if layer is not None else _TOP_ROLES[role]
+        if len(tensors) != tp_size:
+            raise ValueError(
+                f"{role} (layer {layer}) has {len(tensors)} tensor-parallel shards, expected {tp_size}"
+            )
+        merged = tensors[0] if spec.tp_dim is None else torch.cat(tensors, dim=spec.tp_dim)
+        if role.startswith("qkv"):
+            merged = _reorder_qkv(merged, num_attention_heads, checkpoint_version)
+        if role in ("embed", "output") and vocab_size is not None:
+            if vocab_size > merged.shape[0]:
+                raise ValueError(f"vocab_size {vocab_size} exceeds the checkpoint's {merged.shape[0]} rows")
+            merged = merged[:vocab_size]
+        converted[spec.tnlg_name.format(layer=layer)] = merged.contiguous()
+    return converted
+
+
+def _config_from_tensors(
+    tensors: Mapping[str, torch.Tensor], num_attention_heads: int, **overrides: Any
+) -> TNLGConfig:
+    embed = tensors["model.embed_tokens.weight"]
+    layers = 1 + max(int(n.split(".")[2]) for n in tensors if n.startswith("model.layers."))
+    head = tensors.get("lm_head.weight")
+    fields: dict[str, Any] = {
+        "vocab_size": embed.shape[0],
+        "hidden_size": embed.shape[1],
+        "num_hidden_layers": layers,
+        "num_attention_heads": num_attention_heads,
+        "max_position_embeddings": tensors["model.embed_positions.weight"].shape[0],
+        "intermediate_size": tensors["model.layers.0.mlp.fc_in.weight"].shape[0],
+        "tie_word_embeddings": head is None or torch.equal(head, embed),
+    }
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return TNLGConfig(**fields)
+
+
+def read_megatron_checkpoint(path: str | Path) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], dict]:
+    """Shards `{(tp, pp): flat state dict}` and the metadata (`args`, `checkpoint_version`) of a checkpoint.
+
+    `path` is a Megatron save directory (with `latest_checkpointed_iteration.txt`), an `iter_*`
+    directory of `mp_rank_TT[_PPP]/model_optim_rng.pt` files, one such file, or a directory of
+    safetensors holding a Megatron-named state dict.
+    """
+    path = Path(path)
+    if path.is_dir() and (path / "latest_checkpointed_iteration.txt").is_file():
+        tag = (path / "latest_checkpointed_iteration.txt").read_text().strip()
+        path = path / (tag if tag == "release" else f"iter_{int(tag):07d}")
+    if path.is_dir() and any(path.glob("*.distcp")):
+        raise ValueError(
+            f"{path} is a torch_dist (distributed) checkpoint; convert it to the legacy per-rank format with "
+            "Megatron's `--ckpt-convert-format torch` first"
+        )
+    rank_dirs = sorted(path.glob("mp_rank_*")) if path.is_dir() else []
+    files: dict[tuple[int, int], Path] = {}
+    for rank_dir in rank_dirs:
+        ranks = re.fullmatch(r"mp_rank_(\d+)(?:_(\d+))?", rank_dir.name)
+        candidates = [
+            rank_dir / n for n in ("model_optim_rng.pt", "model_rng.pt") if (rank_dir / n).is_file()
+        ]
+        if ranks and candidates:
+            files[(int(ranks.group(1)), int(ranks.group(2) or 0))] = candidates[0]
+    if not files and path.is_file() and path.suffix != ".safetensors":
+        files[(0, 0)] = path
+    if not files:  # a plain state dict (safetensors / .bin) with Megatron names
+        return {(0, 0): load_tensors(path)}, {}
+
+    shards, metadata = {}, {}
+    for ranks, file in files.items():
+        loaded = load_torch_file(file)
+        if not isinstance(loaded, Mapping):
+            raise ValueError(f"{file} holds a {type(loaded).__name__}, not a checkpoint dict")
+        if "model0" in loaded:
+            raise ValueError(f"{file} is a virtual-pipeline checkpoint (model0, model1, ...), not supported")
+        model = loaded.get("model", loaded)
+        shards[ranks] = flatten(model)
+        if not metadata:
+            metadata = {k: loaded[k] for k in ("args", "checkpoint_version") if k in loaded}
+    return shards, metadata
+
+
+def from_megatron(
+    source: str | Path | Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
+    *,
+    num_attention_heads: int | None = None,
+    vocab_size: int | None = None,
+    checkpoint_version: float | None = None,
+    hidden_act: str = "gelu_new",
+    layer_norm_epsilon: float | None = None,
+    dtype: torch.dtype | None = None,
+) -> TNLGForCausalLM:
+    """A `TNLGForCausalLM` from a Megatron GPT checkpoint.
+
+    `source`: a checkpoint path (see `read_megatron_checkpoint`), one state dict, or a list of
+    state dicts, one per tensor-parallel rank in rank order. Settings absent from the tensors come
+    from the checkpoint's saved `args` when present, else from the keyword arguments:
+    `num_attention_heads` (required without args), `checkpoint_version` (legacy QKV order; default
+    3.0), `layer_norm_epsilon` (default 1e-5). `hidden_act` defaults to `gelu_new`, the tanh GeLU
+    of Megatron's fused bias-GeLU kernel; pass `gelu` for a model trained without that fusion.
+    `vocab_size` trims the padded embedding rows (e.g. 50257 for the GPT-2 tokenizer).
+    """
+    metadata: dict = {}
+    if isinstance(source, (str, Path)):
+        shards, metadata = read_megatron_checkpoint(source)
+    elif isinstance(source, Mapping):
+        shards = {(0, 0): flatten(source)}
+    else:
+        shards = {(tp, 0): flatten(shard) for tp, shard in enumerate(source)}
+    args = metadata.get("args")
+    num_attention_heads = num_attention_heads or getattr(args, "num_attention_heads", None)
+    if num_attention_heads is None:
+        raise ValueError("the checkpoint carries no args: pass num_attention_heads")
+    if checkpoint_version is None:
+        checkpoint_version = float(metadata.get("checkpoint_version", 3.0))
+    if layer_norm_epsilon is None:
+        layer_norm_epsilon = getattr(args, "norm_epsilon", getattr(args, "layernorm_epsilon", 1e-5))
+    tensors = megatron_state_dict_to_tnlg(shards, num_attention_heads, checkpoint_version, vocab_size)
+    config = _config_from_tensors(
+        tensors, num_attention_heads, hidden_act=hidden_act, layer_norm_epsilon=layer_norm_epsilon
+    )
+    model = build_model(
+        config, tensors, source=str(source) if isinstance(source, (str, Path)) else "Megatron state dict"
+    )
+    return model.to(dtype) if dtype is not None else model

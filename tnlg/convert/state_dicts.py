@@ -1,0 +1,155 @@
+"""Reading foreign checkpoints without pickles, and loading converted tensors into a TNLG model.
+
+Everything here is format-agnostic: the GPT-2 and Megatron converters map names and layouts, then
+hand a TNLG-named state dict to `build_model`, which checks it against the model's own
+parameter set before anything is assigned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from tnlg.modeling import TNLGConfig, TNLGForCausalLM
+from tnlg.modeling.loading import CheckpointMismatchError
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+)
+
+
+def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint file or directory, pickle-free.
+
+    Directories: a sharded safetensors index, single `*.safetensors` files, else a
+    `pytorch_model.bin`. `.bin`/`.pt` files go through `torch.load(weights_only=True)`.
+    """
+    path = Path(path)
+    if path.is_file():
+        return _load_file(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint file or directory at {path}")
+    index_files = sorted(path.glob("*.safetensors.index.json"))
+    if index_files:
+        weight_map = json.loads(index_files[0].read_text())["weight_map"]
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            tensors.update(load_file(path / shard))
+        return tensors
+    safetensors_files = sorted(path.glob("*.safetensors"))
+    if safetensors_files:
+        tensors = {}
+        for file in safetensors_files:
+            tensors.update(load_file(file))
+        return tensors
+    for name in ("pytorch_model.bin", "model.pt"):
+        if (path / name).is_file():
+            return _load_file(path / name)
+    raise FileNotFoundError(f"{path} holds no *.safetensors, pytorch_model.bin or model.pt")
+
+
+def _load_file(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        return load_file(path)
+    loaded = load_torch_file(path)
+    if not isinstance(loaded, Mapping):
+        raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state dict")
+    return dict(loaded)
+
+
+def load_torch_file(path: str | Path) -> object:
+    """`torch.load` with `weights_only=True`, allowing only the plain containers checkpoints carry.
+
+    Megatron checkpoints store their arguments as an `argparse.Namespace` and RNG states as numpy
+    arrays; those types are allow-listed. Anything else (arbitrary classes) is refused with the
+    list of globals the file wants, never executed.
+    """
+    safe = [argparse.Namespace, *_numpy_safe_globals()]
+    try:
+        with torch.serialization.safe_globals(safe):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises UnpicklingError with the blocked global's name
+        try:
+            wanted = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+        except Exception:
+            wanted = []
+        raise ValueError(
+            f"{path} cannot be read safely with torch.load(weights_only=True): {error}. "
+            f"Globals it needs beyond plain tensors: {wanted or 'unknown'}. Re-save the state dict "
+            "alone (e.g. torch.save(model.state_dict(), ...)) or as safetensors."
+        ) from error
+
+
+def _numpy_safe_globals() -> list[object]:
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    reconstruct = getattr(np, "_core", np.core).multiarray._reconstruct  # numpy 2 / 1
+    dtype_classes = [type(np.dtype(name)) for name in ("uint32", "float64", "int64", "float32")]
+    return [reconstruct, np.ndarray, np.dtype, *dtype_classes]
+
+
+def build_model(
+    config: TNLGConfig, state_dict: Mapping[str, torch.Tensor], source: str = "checkpoint"
+) -> TNLGForCausalLM:
+    """A `TNLGForCausalLM` holding exactly `state_dict`'s tensors (no random init, no extra copy).
+
+    The model is built on the meta device, the state dict is checked name by name and shape by
+    shape against it, and only then are the tensors assigned. With tied embeddings the output
+    layer may be absent (it is the token embedding); if present it must equal it.
+    """
+    with torch.device("meta"):
+        model = TNLGForCausalLM(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    provided = dict(state_dict)
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        head = provided.pop("lm_head.weight", None)
+        embedding = provided.get("model.embed_tokens.weight")
+        if head is not None and embedding is not None and not torch.equal(head, embedding):
+            raise ValueError(
+                f"{source} has an output layer that differs from its token embedding, but the config "
+                "ties them; convert with tie_word_embeddings=False"
+            )
+    missing = sorted(set(expected) - set(provided))
+    unexpected = sorted(set(provided) - set(expected))
+    mis_shaped = [
+        (name, tuple(provided[name].shape), shape)
+        for name, shape in expected.items()
+        if name in provided and tuple(provided[name].shape) != shape
+    ]
+    if missing or unexpected or mis_shaped:
+        raise CheckpointMismatchError(missing, unexpected, mis_shaped, source)
+    model.load_state_dict(provided, strict=False, assign=True)
+    model.tie_weights()
+    return model.eval()
+
+
+def copy_tokenizer_files(source_dir: str | Path, output_dir: str | Path) -> list[str]:
+    """Copy the tokenizer files found in `source_dir` (if it is a directory); returns their names."""
+    source_dir, output_dir = Path(source_dir), Path(output_dir)
+    if not source_dir.is_dir():
+        return []
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (source_dir / name).is_file():
+            shutil.copy2(source_dir / name, output_dir / name)
+            copied.append(name)
+    return copied
