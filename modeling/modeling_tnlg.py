@@ -50,6 +50,15 @@ def eager_attention_forward(
     return output, probs
 
 
+class TNLGResidualLinear(nn.Linear):
+    """A linear layer whose output is added to the residual stream (attention out, MLP out).
+
+    Its own type, so `_init_weights` can give it the depth-scaled std: Transformers initialises
+    leaf modules one by one and skips container modules without direct parameters (for models
+    outside its package), so the scaling cannot be applied from `TNLGAttention` / `TNLGMLP`.
+    """
+
+
 class TNLGAttention(nn.Module):
     """Causal self-attention with one fused QKV projection whose output rows are `[q | k | v]`.
 
@@ -66,7 +75,7 @@ class TNLGAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.is_causal = True  # read by the sdpa / flash interfaces
         self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.out_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = TNLGResidualLinear(config.hidden_size, config.hidden_size)
         self.resid_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
@@ -108,7 +117,7 @@ class TNLGMLP(nn.Module):
         super().__init__()
         self.fc_in = nn.Linear(config.hidden_size, config.intermediate_size)
         self.act = ACT2FN[config.hidden_act]
-        self.fc_out = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.fc_out = TNLGResidualLinear(config.intermediate_size, config.hidden_size)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -168,6 +177,10 @@ class TNLGPreTrainedModel(PreTrainedModel):
         See `tnlg.modeling.loading` for why.
         """
         want_info = kwargs.pop("output_loading_info", False)
+        if strict:
+            # Let Transformers finish loading so that its report of mis-shaped tensors reaches us;
+            # its own error for them names none of the tensors.
+            kwargs["ignore_mismatched_sizes"] = True
         model, info = super().from_pretrained(
             pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
         )
@@ -184,6 +197,8 @@ class TNLGPreTrainedModel(PreTrainedModel):
         variance stays independent of depth (GPT-2 paper, section 2.3; Megatron's scaled init).
         """
         std = self.config.initializer_range
+        if isinstance(module, TNLGResidualLinear):
+            std = std / math.sqrt(2 * self.config.num_hidden_layers)
         if isinstance(module, (nn.Linear, nn.Embedding)):
             init.normal_(module.weight, mean=0.0, std=std)
             if isinstance(module, nn.Linear) and module.bias is not None:
@@ -191,11 +206,6 @@ class TNLGPreTrainedModel(PreTrainedModel):
         elif isinstance(module, nn.LayerNorm):
             init.ones_(module.weight)
             init.zeros_(module.bias)
-        if isinstance(module, (TNLGAttention, TNLGMLP)):
-            residual_projection = module.out_proj if isinstance(module, TNLGAttention) else module.fc_out
-            init.normal_(
-                residual_projection.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers)
-            )
 
 
 class TNLGModel(TNLGPreTrainedModel):

@@ -1,0 +1,35 @@
+"""Shared fixtures: the debug config every model test builds on, and determinism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tnlg  # noqa: F401  (registers the Auto classes)
+from tnlg import TNLGConfig, TNLGForCausalLM
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA; skip them (visibly) on CPU-only machines."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def debug_config() -> TNLGConfig:
+    """The tiny preset: 2 layers, 64 wide, 4 heads, 128 positions, 512 tokens."""
+    return TNLGConfig.from_preset("debug")
+
+
+@pytest.fixture
+def debug_model(debug_config) -> TNLGForCausalLM:
+    return TNLGForCausalLM(debug_config).eval()

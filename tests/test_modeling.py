@@ -1,0 +1,169 @@
+"""TNLGForCausalLM: loss, attention implementations, masks, KV cache, init, checkpointing, Auto classes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
+
+from tnlg import TNLGConfig, TNLGForCausalLM, TNLGModel
+
+
+def test_loss_is_shifted_cross_entropy_ignoring_minus_100(debug_model):
+    input_ids = torch.randint(0, 512, (3, 20))
+    labels = input_ids.clone()
+    labels[0, :7] = -100
+    labels[2, 12:] = -100
+    output = debug_model(input_ids, labels=labels)
+    logits = output.logits[:, :-1].reshape(-1, 512)
+    targets = labels[:, 1:].reshape(-1)
+    keep = targets != -100
+    expected = F.cross_entropy(logits[keep], targets[keep])
+    assert output.loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert output.logits.shape == (3, 20, 512)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_attention_implementations_agree(debug_config, implementation):
+    reference = TNLGForCausalLM._from_config(debug_config, attn_implementation="eager").eval()
+    other = TNLGForCausalLM._from_config(debug_config, attn_implementation=implementation).eval()
+    other.load_state_dict(reference.state_dict())
+    input_ids = torch.randint(0, 512, (2, 33))
+    mask = torch.ones_like(input_ids)
+    mask[1, :5] = 0
+    torch.testing.assert_close(
+        other(input_ids, attention_mask=mask).logits, reference(input_ids, attention_mask=mask).logits,
+        atol=1e-5, rtol=1e-5,
+    )
+
+
+def test_causality_future_tokens_do_not_change_past_logits(debug_model):
+    input_ids = torch.randint(0, 512, (1, 16))
+    changed = input_ids.clone()
+    changed[0, 10:] = (changed[0, 10:] + 1) % 512
+    a, b = debug_model(input_ids).logits, debug_model(changed).logits
+    torch.testing.assert_close(a[:, :10], b[:, :10])
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_left_padded_batch_equals_unpadded_sequences(debug_config, implementation):
+    model = TNLGForCausalLM._from_config(debug_config, attn_implementation=implementation).eval()
+    long, short = torch.randint(0, 512, (1, 12)), torch.randint(0, 512, (1, 7))
+    pad = torch.full((1, 5), 3)
+    batch = torch.cat([long, torch.cat([pad, short], dim=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :5] = 0
+    logits = model(batch, attention_mask=mask).logits
+    torch.testing.assert_close(logits[0:1], model(long).logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[1:2, 5:], model(short).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_step_by_step_equals_full_forward(debug_model):
+    input_ids = torch.randint(0, 512, (2, 14))
+    full = debug_model(input_ids).logits
+    cache = DynamicCache(config=debug_model.config)
+    prefix = debug_model(input_ids[:, :9], past_key_values=cache, use_cache=True)
+    assert isinstance(prefix.past_key_values, DynamicCache)
+    steps = [prefix.logits]
+    for t in range(9, 14):
+        steps.append(debug_model(input_ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    assert cache.get_seq_length() == 14
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_sequence_longer_than_positions_is_refused(debug_model):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        debug_model(torch.zeros(1, 129, dtype=torch.long))
+
+
+def test_hidden_states_and_attentions_are_returned(debug_config):
+    model = TNLGForCausalLM._from_config(debug_config, attn_implementation="eager").eval()
+    output = model(torch.randint(0, 512, (2, 6)), output_hidden_states=True, output_attentions=True)
+    assert len(output.hidden_states) == debug_config.num_hidden_layers + 1
+    assert len(output.attentions) == debug_config.num_hidden_layers
+    assert output.attentions[0].shape == (2, 4, 6, 6)
+    # Each row of attention probabilities sums to one and puts no weight on the future.
+    torch.testing.assert_close(output.attentions[0].sum(-1), torch.ones(2, 4, 6))
+    assert output.attentions[0].triu(diagonal=1).abs().max() == 0
+
+
+def test_gpt2_style_init():
+    config = TNLGConfig(
+        vocab_size=1000, hidden_size=256, num_hidden_layers=8, num_attention_heads=4, max_position_embeddings=64
+    )
+    model = TNLGForCausalLM(config)
+    block = model.model.layers[3]
+    residual_std = 0.02 / math.sqrt(2 * 8)
+    assert block.self_attn.out_proj.weight.std().item() == pytest.approx(residual_std, rel=0.05)
+    assert block.mlp.fc_out.weight.std().item() == pytest.approx(residual_std, rel=0.05)
+    assert block.self_attn.qkv_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.model.embed_positions.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert block.mlp.fc_in.bias.abs().max() == 0
+    assert torch.equal(block.input_layernorm.weight, torch.ones(256))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(debug_config):
+    model = TNLGForCausalLM(debug_config).train()
+    input_ids = torch.randint(0, 512, (2, 16))
+
+    def gradients():
+        model.zero_grad()
+        model(input_ids, labels=input_ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = gradients()
+    # transformers renamed the method after 5.17; either name must reach the same switch.
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert model.model.gradient_checkpointing
+    checkpointed = gradients()
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], msg=name)
+
+
+def test_resize_token_embeddings_keeps_rows_and_tying(debug_model):
+    old = debug_model.model.embed_tokens.weight.detach().clone()
+    debug_model.resize_token_embeddings(600)
+    assert debug_model.config.vocab_size == 600
+    assert debug_model.model.embed_tokens.weight.shape == (600, 64)
+    assert debug_model.lm_head.weight is debug_model.model.embed_tokens.weight
+    torch.testing.assert_close(debug_model.model.embed_tokens.weight[:512], old)
+    assert debug_model(torch.tensor([[599, 1]])).logits.shape == (1, 2, 600)
+
+
+def test_auto_classes_build_tnlg(debug_config):
+    assert type(AutoModelForCausalLM.from_config(debug_config)) is TNLGForCausalLM
+    assert type(AutoModel.from_config(debug_config)) is TNLGModel
+
+
+def test_dropout_is_active_only_in_training(debug_config):
+    config = TNLGConfig.from_preset("debug", hidden_dropout=0.5, attention_dropout=0.5, embedding_dropout=0.5)
+    model = TNLGForCausalLM(config)
+    input_ids = torch.randint(0, 512, (1, 8))
+    model.eval()
+    torch.testing.assert_close(model(input_ids).logits, model(input_ids).logits)
+    model.train()
+    assert not torch.allclose(model(input_ids).logits, model(input_ids).logits)
+
+
+def test_exactly_one_of_input_ids_and_embeddings(debug_model):
+    with pytest.raises(ValueError, match="exactly one"):
+        debug_model.model()
+    embeds = debug_model.model.embed_tokens(torch.tensor([[1, 2, 3]]))
+    torch.testing.assert_close(
+        debug_model(inputs_embeds=embeds).logits, debug_model(torch.tensor([[1, 2, 3]])).logits
+    )
+
+
+def test_bf16_forward_and_backward_run(debug_config):
+    model = TNLGForCausalLM(debug_config).to(torch.bfloat16)
+    input_ids = torch.randint(0, 512, (2, 8))
+    loss = model(input_ids, labels=input_ids).loss
+    loss.backward()
+    assert loss.dtype == torch.float32  # the loss upcasts logits
+    assert model.model.layers[0].self_attn.qkv_proj.weight.grad.dtype == torch.bfloat16

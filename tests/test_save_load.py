@@ -1,0 +1,97 @@
+"""save_pretrained / from_pretrained: sharded safetensors, bit-exact reload, strict mismatch errors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from accelerate import infer_auto_device_map
+from transformers import AutoModelForCausalLM
+
+from tnlg import TNLGConfig, TNLGForCausalLM, TNLGModel
+from tnlg.modeling import CheckpointMismatchError
+
+
+@pytest.fixture
+def saved(tmp_path, debug_model):
+    debug_model.save_pretrained(tmp_path, max_shard_size="100KB")
+    return tmp_path
+
+
+def test_sharded_save_writes_an_index_and_reloads_bit_exactly(saved, debug_model):
+    index = json.loads((saved / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1
+    assert all((saved / shard).is_file() for shard in shards)
+    assert not list(saved.glob("*.bin"))
+    for loader in (TNLGForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        loaded = loader(saved)
+        assert type(loaded) is TNLGForCausalLM
+        original = debug_model.state_dict()
+        for name, tensor in loaded.state_dict().items():
+            assert torch.equal(tensor, original[name]), name
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+def test_base_model_loads_from_a_causal_lm_checkpoint(saved, debug_model):
+    base = TNLGModel.from_pretrained(saved)
+    assert torch.equal(base.layers[1].mlp.fc_in.weight, debug_model.model.layers[1].mlp.fc_in.weight)
+
+
+def test_dtype_is_honoured(saved):
+    assert TNLGForCausalLM.from_pretrained(saved, dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def _edit_shard_holding(directory, name, edit):
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    shard = directory / index["weight_map"][name]
+    tensors = load_file(shard)
+    edit(tensors)
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def test_missing_and_unexpected_tensors_fail_with_a_list(saved):
+    def edit(tensors):
+        tensors.pop("model.layers.0.mlp.fc_in.bias")
+        tensors["model.layers.0.mlp.surprise"] = torch.zeros(3)
+
+    _edit_shard_holding(saved, "model.layers.0.mlp.fc_in.bias", edit)
+    with pytest.raises(CheckpointMismatchError) as raised:
+        TNLGForCausalLM.from_pretrained(saved)
+    message = str(raised.value)
+    assert "missing (1): model.layers.0.mlp.fc_in.bias" in message
+    assert "unexpected (1): model.layers.0.mlp.surprise" in message
+    # strict=False keeps Transformers' behaviour for those who want it.
+    model, info = TNLGForCausalLM.from_pretrained(saved, strict=False, output_loading_info=True)
+    assert info["missing_keys"] == {"model.layers.0.mlp.fc_in.bias"}
+
+
+def test_mis_shaped_tensor_fails(saved):
+    def edit(tensors):
+        tensors["model.layers.1.self_attn.out_proj.weight"] = torch.zeros(64, 32)
+
+    _edit_shard_holding(saved, "model.layers.1.self_attn.out_proj.weight", edit)
+    with pytest.raises(CheckpointMismatchError) as raised:
+        TNLGForCausalLM.from_pretrained(saved)
+    assert "mis-shaped: model.layers.1.self_attn.out_proj.weight has shape [64, 32]" in str(raised.value)
+    assert "the model expects [64, 64]" in str(raised.value)
+
+
+def test_device_map_auto_loads(saved, debug_model):
+    model = TNLGForCausalLM.from_pretrained(saved, device_map="auto")
+    input_ids = torch.randint(0, 512, (1, 10))
+    torch.testing.assert_close(model(input_ids).logits, debug_model(input_ids).logits)
+
+
+def test_device_maps_never_split_a_block():
+    """With a memory budget that ends mid-block, blocks move whole (`_no_split_modules`)."""
+    model = TNLGForCausalLM(TNLGConfig.from_preset("debug", num_hidden_layers=4))
+    budget = {"cpu": 600_000, "disk": 10**9}  # embeddings + one and a half blocks
+    split = infer_auto_device_map(model, max_memory=budget)
+    assert any(re.fullmatch(r"model\.layers\.\d+\..+", name) for name in split)  # the budget does cut a block
+    whole = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=model._no_split_modules)
+    layer_entries = [name for name in whole if name.startswith("model.layers")]
+    assert layer_entries and all(re.fullmatch(r"model\.layers(\.\d+)?", name) for name in layer_entries)
