@@ -118,8 +118,10 @@ def test_gradient_checkpointing_gives_the_same_gradients(debug_config):
 
     plain = gradients()
     # transformers renamed the method after 5.17; either name must reach the same switch.
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert model.model.gradient_checkpointing
     checkpointed = gradients()
     for name in plain:
