@@ -47,7 +47,11 @@ def test_published_sizes():
 def test_flops_per_token_matches_counted_training_flops():
     """6N + 12·L·T·H against the matmul FLOPs torch counts for one forward + backward."""
     config = TNLGConfig(
-        vocab_size=1000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64
+        vocab_size=1000,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
     )
     config._attn_implementation = "eager"  # plain matmuls, so every attention FLOP is counted
     model = TNLGForCausalLM(config)

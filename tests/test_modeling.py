@@ -36,8 +36,10 @@ def test_attention_implementations_agree(debug_config, implementation):
     mask = torch.ones_like(input_ids)
     mask[1, :5] = 0
     torch.testing.assert_close(
-        other(input_ids, attention_mask=mask).logits, reference(input_ids, attention_mask=mask).logits,
-        atol=1e-5, rtol=1e-5,
+        other(input_ids, attention_mask=mask).logits,
+        reference(input_ids, attention_mask=mask).logits,
+        atol=1e-5,
+        rtol=1e-5,
     )
 
 
@@ -94,7 +96,11 @@ def test_hidden_states_and_attentions_are_returned(debug_config):
 
 def test_gpt2_style_init():
     config = TNLGConfig(
-        vocab_size=1000, hidden_size=256, num_hidden_layers=8, num_attention_heads=4, max_position_embeddings=64
+        vocab_size=1000,
+        hidden_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        max_position_embeddings=64,
     )
     model = TNLGForCausalLM(config)
     block = model.model.layers[3]
