@@ -7,8 +7,8 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from accelerate import infer_auto_device_map
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from tnlg import TNLGConfig, TNLGForCausalLM, TNLGModel
@@ -65,7 +65,7 @@ def test_missing_and_unexpected_tensors_fail_with_a_list(saved):
     assert "missing (1): model.layers.0.mlp.fc_in.bias" in message
     assert "unexpected (1): model.layers.0.mlp.surprise" in message
     # strict=False keeps Transformers' behaviour for those who want it.
-    model, info = TNLGForCausalLM.from_pretrained(saved, strict=False, output_loading_info=True)
+    _, info = TNLGForCausalLM.from_pretrained(saved, strict=False, output_loading_info=True)
     assert info["missing_keys"] == {"model.layers.0.mlp.fc_in.bias"}
 
 
