@@ -48,6 +48,14 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+def _has_parameters(activation: str) -> bool:
+    """Whether an ACT2FN activation carries weights (PReLU, xIELU, ...), which TNLG's MLP does not count."""
+    try:
+        return any(True for _ in ACT2FN[activation].parameters())
+    except Exception:  # activations that need arguments to build are not usable here either
+        return True
+
+
 class TNLGConfig(PreTrainedConfig):
     r"""Configuration of a TNLG (pre-LayerNorm GPT-2 / Megatron GPT) decoder.
 
@@ -124,11 +132,20 @@ class TNLGConfig(PreTrainedConfig):
             raise ValueError(f"TNLGConfig.layer_norm_epsilon must be > 0, got {self.layer_norm_epsilon!r}")
         if not isinstance(self.initializer_range, (int, float)) or self.initializer_range <= 0:
             raise ValueError(f"TNLGConfig.initializer_range must be > 0, got {self.initializer_range!r}")
-        if self.hidden_act not in ACT2FN:
+        if self.hidden_act not in ACT2FN or _has_parameters(self.hidden_act):
+            allowed = sorted(name for name in ACT2FN if not _has_parameters(name))
             raise ValueError(
-                f"TNLGConfig.hidden_act {self.hidden_act!r} is not an activation Transformers knows; "
-                f"allowed: {sorted(ACT2FN)}"
+                f"TNLGConfig.hidden_act {self.hidden_act!r} is not a parameter-free activation Transformers "
+                f"knows; allowed: {allowed}"
             )
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            ids = value if isinstance(value, list) else [value]
+            if any(i is not None and not (isinstance(i, int) and 0 <= i < self.vocab_size) for i in ids):
+                raise ValueError(
+                    f"TNLGConfig.{name} {value!r} is outside the vocabulary [0, {self.vocab_size}); set it to an id "
+                    "below vocab_size or None"
+                )
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> TNLGConfig:
@@ -143,10 +160,11 @@ class TNLGConfig(PreTrainedConfig):
             "max_position_embeddings": preset.max_position_embeddings,
             "vocab_size": preset.vocab_size,
         }
-        if preset.vocab_size < GPT2_VOCAB_SIZE:
-            # A vocabulary smaller than GPT-2's cannot hold its end-of-text id; the last row plays it.
-            fields["bos_token_id"] = fields["eos_token_id"] = preset.vocab_size - 1
         fields.update(overrides)
+        if fields["vocab_size"] < GPT2_VOCAB_SIZE:
+            # A vocabulary smaller than GPT-2's cannot hold its end-of-text id; the last row plays it.
+            for name in ("bos_token_id", "eos_token_id"):
+                fields.setdefault(name, fields["vocab_size"] - 1)
         return cls(**fields)
 
     @staticmethod

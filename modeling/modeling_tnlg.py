@@ -21,12 +21,12 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs
+from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_tnlg import TNLGConfig
-from .loading import raise_on_mismatch
+from .loading import check_tied_output_layer, raise_on_mismatch
 
 
 def eager_attention_forward(
@@ -185,7 +185,11 @@ class TNLGPreTrainedModel(PreTrainedModel):
             pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
         )
         if strict:
+            if cls.base_model_prefix and not hasattr(model, cls.base_model_prefix):
+                # The base model loading a causal-LM checkpoint: the head is not part of it.
+                info["unexpected_keys"] = {k for k in info["unexpected_keys"] if not k.startswith("lm_head.")}
             raise_on_mismatch(info, source=str(pretrained_model_name_or_path))
+            check_tied_output_layer(model, pretrained_model_name_or_path)
         return (model, info) if want_info else model
 
     @torch.no_grad()
@@ -250,6 +254,15 @@ class TNLGModel(TNLGPreTrainedModel):
             past_key_values = DynamicCache(config=self.config)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
 
+        if (
+            attention_mask is not None
+            and attention_mask.dim() == 2
+            and attention_mask.shape[-1] != past_length + length
+        ):
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache holds {past_length} and "
+                f"{length} are new: pass the mask of every token attended to ({past_length + length})"
+            )
         if position_ids is None:
             position_ids = self._default_position_ids(
                 attention_mask, past_length, length, inputs_embeds.device
@@ -316,6 +329,7 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -337,6 +351,10 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
+        if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            raise ValueError(
+                "labels need the logits of every position: do not combine them with logits_to_keep"
+            )
         hidden_states = outputs.last_hidden_state
         # Generation needs only the last position's logits: skip the (B, T, V) matmul for the rest.
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

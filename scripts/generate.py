@@ -27,6 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--prompt", action="append", help="a prompt (repeatable); default: one per stdin line"
     )
+    parser.add_argument(
+        "--tokenizer", help="tokenizer directory or 'byte-level' (default: the checkpoint's own)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise SystemExit("no prompt: pass --prompt or write prompts to stdin")
-    model, tokenizer = load_model_and_tokenizer(args.model, DTYPES[args.dtype], args.device)
+    model, tokenizer = load_model_and_tokenizer(args.model, DTYPES[args.dtype], args.device, args.tokenizer)
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,

@@ -7,22 +7,33 @@ with the GPT-2 model, so the equivalence is checked end to end rather than assum
 from __future__ import annotations
 
 import argparse
+import contextlib
+import enum
 import random
+import sys
+import types
 
 import numpy as np
 import torch
 from transformers import GPT2LMHeadModel
 
 
-def _qkv_rows(weight_or_bias: torch.Tensor, num_heads: int, version: float) -> torch.Tensor:
-    """`[3, nh, hd]` rows (GPT-2's order) → the per-head order Megatron stores."""
+def _qkv_shard(
+    weight_or_bias: torch.Tensor, num_heads: int, tp: int, rank: int, version: float
+) -> torch.Tensor:
+    """Rank `rank`'s QKV rows: its heads' q, k, v (GPT-2 keeps `[3, nh, hd]`) in Megatron's order."""
     rows, rest = weight_or_bias.shape[0], weight_or_bias.shape[1:]
-    by_part = weight_or_bias.reshape(3, num_heads, rows // (3 * num_heads), *rest)
-    if version == 0:
-        return weight_or_bias.clone()
-    if version < 2.0:  # [nh, hd, 3]
-        return by_part.permute(1, 2, 0, *range(3, 3 + len(rest))).reshape(rows, *rest).contiguous()
-    return by_part.transpose(0, 1).reshape(rows, *rest).contiguous()  # [nh, 3, hd]
+    head_dim = rows // (3 * num_heads)
+    local = num_heads // tp
+    mine = weight_or_bias.reshape(3, num_heads, head_dim, *rest)[:, rank * local : (rank + 1) * local]
+    trailing = tuple(range(3, 3 + len(rest)))
+    if version == 0:  # [3, local heads, hd]
+        ordered = mine
+    elif version < 2.0:  # [local heads, hd, 3]
+        ordered = mine.permute(1, 2, 0, *trailing)
+    else:  # [local heads, 3, hd]
+        ordered = mine.transpose(0, 1)
+    return ordered.reshape(rows // tp, *rest).contiguous()
 
 
 def gpt2_layers(model: GPT2LMHeadModel, padded_vocab: int) -> tuple[dict, list[dict]]:
@@ -119,10 +130,11 @@ def megatron_shards(
             for local, tensors in enumerate(stage_layers):
                 for role, tensor in tensors.items():
                     names = _LAYER_NAMES[role]
-                    if role.startswith("qkv"):
-                        tensor = _qkv_rows(tensor, heads, version if style == "legacy" else 3.0)
                     dim = names[3]
-                    piece = tensor if dim is None else tensor.chunk(tp, dim=dim)[rank]
+                    if role.startswith("qkv"):
+                        piece = _qkv_shard(tensor, heads, tp, rank, version if style == "legacy" else 3.0)
+                    else:
+                        piece = tensor if dim is None else tensor.chunk(tp, dim=dim)[rank]
                     flat[f"{prefix}.layers.{local}.{names[column]}"] = piece.contiguous()
                 if style == "te":
                     flat[f"{prefix}.layers.{local}.self_attention.linear_qkv._extra_state"] = torch.tensor([])
@@ -154,21 +166,64 @@ def _nest_legacy(flat: dict[str, torch.Tensor]) -> dict:
     return nested
 
 
-def save_megatron_checkpoint(shards: dict[tuple[int, int], dict], root, num_heads: int, version: float = 3.0):
-    """Write Megatron's directory layout: latest_checkpointed_iteration.txt, iter_*/mp_rank_*/*.pt."""
+def save_megatron_checkpoint(
+    shards: dict[tuple[int, int], dict], root, num_heads: int, version: float = 3.0, **extra_args
+):
+    """Write Megatron's directory layout: latest_checkpointed_iteration.txt, iter_*/mp_rank_*/*.pt.
+
+    The saved args hold what Megatron's do (a `ModelType` enum among them), plus `extra_args`.
+    """
     pp = 1 + max(stage for _, stage in shards)
     iteration = root / "iter_0000010"
+    with _fake_megatron_enums() as model_type:
+        _save_ranks(shards, iteration, pp, num_heads, version, model_type.encoder_or_decoder, extra_args)
+    (root / "latest_checkpointed_iteration.txt").write_text("10")
+
+
+def _save_ranks(shards, iteration, pp, num_heads, version, model_type, extra_args) -> None:
     for (rank, stage), state in shards.items():
         name = f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "")
         (iteration / name).mkdir(parents=True)
         torch.save(
             {
                 "model": state,
-                "args": argparse.Namespace(num_attention_heads=num_heads, layernorm_epsilon=1e-5),
+                "args": argparse.Namespace(
+                    **{
+                        "num_attention_heads": num_heads,
+                        "layernorm_epsilon": 1e-5,
+                        "bias_gelu_fusion": True,
+                        "model_type": model_type,
+                        **extra_args,
+                    }
+                ),
                 "checkpoint_version": version,
                 "iteration": 10,
                 "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state()}],
             },
             iteration / name / "model_optim_rng.pt",
         )
-    (root / "latest_checkpointed_iteration.txt").write_text("10")
+
+
+@contextlib.contextmanager
+def _fake_megatron_enums():
+    """`megatron.core.enums.ModelType`, importable only inside the block, as Megatron's args hold one.
+
+    The modules are gone when the checkpoint is loaded, so loading must not need Megatron.
+    """
+    module = types.ModuleType("megatron.core.enums")
+
+    class ModelType(enum.Enum):
+        encoder_or_decoder = 1
+
+    ModelType.__module__ = module.__name__
+    ModelType.__qualname__ = "ModelType"
+    module.ModelType = ModelType
+    names = ("megatron", "megatron.core", "megatron.core.enums")
+    for name in names[:2]:
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules[module.__name__] = module
+    try:
+        yield ModelType
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)

@@ -52,6 +52,8 @@ def test_flops_per_token_matches_counted_training_flops():
         num_hidden_layers=2,
         num_attention_heads=4,
         max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     config._attn_implementation = "eager"  # plain matmuls, so every attention FLOP is counted
     model = TNLGForCausalLM(config)
@@ -101,6 +103,9 @@ def test_config_round_trips_through_json(tmp_path, debug_config):
         ({"hidden_dropout": 1.5}, "hidden_dropout"),
         ({"layer_norm_epsilon": 0.0}, "layer_norm_epsilon"),
         ({"hidden_act": "swish-ish"}, "hidden_act"),
+        ({"hidden_act": "prelu"}, "hidden_act"),  # has weights the parameter count would miss
+        ({"vocab_size": 1000}, "bos_token_id"),  # GPT-2's end-of-text id 50256 does not fit
+        ({"vocab_size": 1000, "bos_token_id": 0, "eos_token_id": [0, 1000]}, "eos_token_id"),
     ],
 )
 def test_invalid_configs_name_the_field(overrides, field):

@@ -128,3 +128,16 @@ def test_missing_rank_file_is_named(tmp_path, gpt2):
     save_megatron_checkpoint(shards, tmp_path, num_heads=HEADS)
     with pytest.raises(ValueError, match=r"\(1, 1\)"):
         from_megatron(tmp_path)
+
+
+def test_unsupported_architecture_args_are_refused(tmp_path, gpt2):
+    save_megatron_checkpoint(
+        megatron_shards(gpt2), tmp_path, num_heads=HEADS, apply_residual_connection_post_layernorm=True
+    )
+    with pytest.raises(ValueError, match="apply_residual_connection_post_layernorm"):
+        from_megatron(tmp_path)
+
+
+def test_activation_follows_the_saved_args(tmp_path, gpt2):
+    save_megatron_checkpoint(megatron_shards(gpt2), tmp_path, num_heads=HEADS, bias_gelu_fusion=False)
+    assert from_megatron(tmp_path, vocab_size=VOCAB).config.hidden_act == "gelu"  # exact GeLU without fusion

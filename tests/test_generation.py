@@ -75,6 +75,31 @@ def test_load_model_refuses_unknown_names():
         load_model_and_tokenizer("no-such-model")
 
 
+def test_checkpoint_without_tokenizer_needs_one(tmp_path):
+    model = TNLGForCausalLM(TNLGConfig.from_preset("debug"))
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        load_model_and_tokenizer(tmp_path)
+    loaded, tokenizer = load_model_and_tokenizer(tmp_path, tokenizer="byte-level")
+    assert len(tokenizer) == 257 and torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_sampling_with_and_without_cache_draws_the_same_tokens(model):
+    config = dict(max_new_tokens=10, do_sample=True, top_k=0, temperature=1.5, pad_token_id=0)
+    input_ids = torch.randint(1, 512, (2, 6))
+    mask = torch.ones_like(input_ids)
+    mask[1, :2] = 0  # left padding too
+    torch.manual_seed(3)
+    cached = model.generate(
+        input_ids, attention_mask=mask, generation_config=GenerationConfig(use_cache=True, **config)
+    )
+    torch.manual_seed(3)
+    uncached = model.generate(
+        input_ids, attention_mask=mask, generation_config=GenerationConfig(use_cache=False, **config)
+    )
+    assert torch.equal(cached, uncached)
+
+
 def test_tokenizer_too_large_for_the_model_is_refused(tmp_path):
     TNLGForCausalLM(TNLGConfig.from_preset("debug", vocab_size=200)).save_pretrained(tmp_path)
     byte_level_tokenizer().save_pretrained(tmp_path)

@@ -27,10 +27,9 @@ def test_loss_is_shifted_cross_entropy_ignoring_minus_100(debug_model):
     assert output.logits.shape == (3, 20, 512)
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
-def test_attention_implementations_agree(debug_config, implementation):
+def test_sdpa_attention_equals_eager(debug_config):
     reference = TNLGForCausalLM._from_config(debug_config, attn_implementation="eager").eval()
-    other = TNLGForCausalLM._from_config(debug_config, attn_implementation=implementation).eval()
+    other = TNLGForCausalLM._from_config(debug_config, attn_implementation="sdpa").eval()
     other.load_state_dict(reference.state_dict())
     input_ids = torch.randint(0, 512, (2, 33))
     mask = torch.ones_like(input_ids)
@@ -101,6 +100,8 @@ def test_gpt2_style_init():
         num_hidden_layers=8,
         num_attention_heads=4,
         max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     model = TNLGForCausalLM(config)
     block = model.model.layers[3]
@@ -180,3 +181,22 @@ def test_bf16_forward_and_backward_run(debug_config):
     loss.backward()
     assert loss.dtype == torch.float32  # the loss upcasts logits
     assert model.model.layers[0].self_attn.qkv_proj.weight.grad.dtype == torch.bfloat16
+
+
+def test_tuple_outputs_with_return_dict_false(debug_model):
+    input_ids = torch.randint(0, 512, (1, 5))
+    loss, logits, *_ = debug_model(input_ids, labels=input_ids, return_dict=False)
+    torch.testing.assert_close(logits, debug_model(input_ids).logits)
+    assert loss.ndim == 0
+
+
+def test_mask_that_skips_the_cached_tokens_is_refused(debug_model):
+    cache = debug_model(torch.randint(0, 512, (1, 4)), use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="cache holds 4"):
+        debug_model(torch.tensor([[7]]), attention_mask=torch.ones(1, 1), past_key_values=cache)
+
+
+def test_labels_with_logits_to_keep_are_refused(debug_model):
+    input_ids = torch.randint(0, 512, (1, 5))
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        debug_model(input_ids, labels=input_ids, logits_to_keep=1)

@@ -95,3 +95,21 @@ def test_device_maps_never_split_a_block():
     whole = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=model._no_split_modules)
     layer_entries = [name for name in whole if name.startswith("model.layers")]
     assert layer_entries and all(re.fullmatch(r"model\.layers(\.\d+)?", name) for name in layer_entries)
+
+
+def test_base_model_loads_from_an_untied_checkpoint(tmp_path):
+    model = TNLGForCausalLM(TNLGConfig.from_preset("debug", tie_word_embeddings=False))
+    model.save_pretrained(tmp_path)
+    base = TNLGModel.from_pretrained(tmp_path)
+    assert torch.equal(base.embed_tokens.weight, model.model.embed_tokens.weight)
+    loaded = TNLGForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_untied_weights_under_a_tied_config_are_refused(tmp_path):
+    TNLGForCausalLM(TNLGConfig.from_preset("debug", tie_word_embeddings=False)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointMismatchError, match=r"lm_head\.weight differs"):
+        TNLGForCausalLM.from_pretrained(tmp_path)

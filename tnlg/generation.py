@@ -47,33 +47,55 @@ class GenerationSettings:
 
 
 def load_model_and_tokenizer(
-    model: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    tokenizer: str | Path | None = None,
 ) -> tuple[TNLGForCausalLM, PreTrainedTokenizerBase]:
-    """`model` is a checkpoint directory or a preset name (random weights, byte-level tokenizer)."""
+    """`model` is a checkpoint directory or a preset name (random weights).
+
+    The tokenizer comes from `tokenizer` (a directory, or `byte-level`), else from the checkpoint
+    directory; a preset uses the byte-level tokenizer. A checkpoint saved without a tokenizer needs
+    `tokenizer`: guessing one would decode its ids into the wrong text.
+    """
     path = Path(model)
     if path.is_dir():
         network = TNLGForCausalLM.from_pretrained(path, dtype=dtype)
-        has_tokenizer = any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
-        tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else byte_level_tokenizer()
-    else:
-        if str(model) not in TNLGConfig.presets():
+        source = tokenizer or (path if _has_tokenizer(path) else None)
+        if source is None:
             raise ValueError(
-                f"{model!r} is neither a checkpoint directory nor a preset; presets: {sorted(TNLGConfig.presets())}"
+                f"{path} holds no tokenizer files; pass a tokenizer directory (or 'byte-level' for a model "
+                "trained on the byte-level tokenizer)"
             )
-        tokenizer = byte_level_tokenizer()
+    elif str(model) in TNLGConfig.presets():
+        source = tokenizer or BYTE_LEVEL
+        network = None
+    else:
+        raise ValueError(
+            f"{model!r} is neither a checkpoint directory nor a preset; presets: {sorted(TNLGConfig.presets())}"
+        )
+    loaded = byte_level_tokenizer() if str(source) == BYTE_LEVEL else AutoTokenizer.from_pretrained(source)
+    if network is None:
         config = TNLGConfig.from_preset(
-            str(model), bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id
+            str(model), bos_token_id=loaded.eos_token_id, eos_token_id=loaded.eos_token_id
         )
         logger.info("random %s model: %s", model, config.describe())
         network = TNLGForCausalLM(config).to(dtype)
-    if len(tokenizer) > network.config.vocab_size:
+    if len(loaded) > network.config.vocab_size:
         raise ValueError(
-            f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {network.config.vocab_size} rows"
+            f"tokenizer has {len(loaded)} tokens but the model's vocabulary has {network.config.vocab_size} rows"
         )
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"  # decoder-only: new tokens must follow the prompt directly
-    return network.to(device).eval(), tokenizer
+    if loaded.pad_token is None:
+        loaded.pad_token = loaded.eos_token
+    loaded.padding_side = "left"  # decoder-only: new tokens must follow the prompt directly
+    return network.to(device).eval(), loaded
+
+
+BYTE_LEVEL = "byte-level"
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
 
 
 @torch.inference_mode()

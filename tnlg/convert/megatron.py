@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tnlg.modeling import TNLGConfig, TNLGForCausalLM
+from tnlg.modeling import GPT2_VOCAB_SIZE, TNLGConfig, TNLGForCausalLM
 
 from .state_dicts import build_model, load_tensors, load_torch_file
 
@@ -125,23 +125,32 @@ def _classify(name: str) -> tuple[str, int | None] | None:
     raise KeyError(name)
 
 
-def _reorder_qkv(tensor: torch.Tensor, num_heads: int, checkpoint_version: float) -> torch.Tensor:
-    """Megatron's per-head QKV row order → TNLG's `[q | k | v]` (rows are dim 0; weight or bias)."""
-    rows = tensor.shape[0]
+def _merge_qkv(shards: list[torch.Tensor], num_heads: int, checkpoint_version: float) -> torch.Tensor:
+    """Tensor-parallel QKV shards (rows in Megatron's per-head order) → TNLG's `[q | k | v]` rows.
+
+    Each rank holds the rows of its own heads in the checkpoint's order; every shard is brought to
+    `[3, local heads, hd]` first and the ranks are then joined along the head dimension, so the
+    merge is right for every order, including version 0's per-rank `[3, local heads, hd]`.
+    """
+    rows = sum(shard.shape[0] for shard in shards)
     head_dim = rows // (3 * num_heads)
-    if head_dim * 3 * num_heads != rows:
+    if head_dim * 3 * num_heads != rows or num_heads % len(shards):
         raise ValueError(
-            f"fused QKV has {rows} rows, not 3 x num_attention_heads ({num_heads}) x head_dim; grouped-query "
-            "attention checkpoints are not supported by TNLG"
+            f"fused QKV has {rows} rows over {len(shards)} tensor-parallel shards, not 3 x num_attention_heads "
+            f"({num_heads}) x head_dim; grouped-query attention checkpoints are not supported by TNLG"
         )
-    rest = tensor.shape[1:]
-    if checkpoint_version == 0:  # already [3, nh, hd]
-        return tensor.clone()
-    if checkpoint_version < 2.0:  # [nh, hd, 3]
-        per_head = tensor.view(num_heads, head_dim, 3, *rest).permute(2, 0, 1, *range(3, 3 + len(rest)))
-    else:  # [nh, 3, hd]
-        per_head = tensor.view(num_heads, 3, head_dim, *rest).transpose(0, 1)
-    return per_head.reshape(rows, *rest).contiguous()
+    local_heads = num_heads // len(shards)
+    rest = shards[0].shape[1:]
+    trailing = tuple(range(3, 3 + len(rest)))
+    per_rank = []
+    for shard in shards:
+        if checkpoint_version == 0:  # [3, nh, hd]
+            per_rank.append(shard.view(3, local_heads, head_dim, *rest))
+        elif checkpoint_version < 2.0:  # [nh, hd, 3]
+            per_rank.append(shard.view(local_heads, head_dim, 3, *rest).permute(2, 0, 1, *trailing))
+        else:  # [nh, 3, hd]
+            per_rank.append(shard.view(local_heads, 3, head_dim, *rest).transpose(0, 1))
+    return torch.cat(per_rank, dim=1).reshape(rows, *rest).contiguous()
 
 
 def megatron_state_dict_to_tnlg(
@@ -193,9 +202,12 @@ def megatron_state_dict_to_tnlg(
             raise ValueError(
                 f"{role} (layer {layer}) has {len(tensors)} tensor-parallel shards, expected {tp_size}"
             )
-        merged = tensors[0] if spec.tp_dim is None else torch.cat(tensors, dim=spec.tp_dim)
         if role.startswith("qkv"):
-            merged = _reorder_qkv(merged, num_attention_heads, checkpoint_version)
+            merged = _merge_qkv(tensors, num_attention_heads, checkpoint_version)
+        elif spec.tp_dim is None:
+            merged = tensors[0]
+        else:
+            merged = torch.cat(tensors, dim=spec.tp_dim)
         if role in ("embed", "output") and vocab_size is not None:
             if vocab_size > merged.shape[0]:
                 raise ValueError(f"vocab_size {vocab_size} exceeds the checkpoint's {merged.shape[0]} rows")
@@ -219,6 +231,9 @@ def _config_from_tensors(
         "intermediate_size": tensors["model.layers.0.mlp.fc_in.weight"].shape[0],
         "tie_word_embeddings": head is None or torch.equal(head, embed),
     }
+    if embed.shape[0] <= GPT2_VOCAB_SIZE - 1:
+        # Megatron checkpoints carry no token ids; GPT-2's end-of-text id does not fit this vocabulary.
+        fields["bos_token_id"] = fields["eos_token_id"] = None
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return TNLGConfig(**fields)
 
@@ -267,13 +282,49 @@ def read_megatron_checkpoint(path: str | Path) -> tuple[dict[tuple[int, int], di
     return shards, metadata
 
 
+# Saved-args settings that change the function without changing tensor names or shapes.
+_UNSUPPORTED_ARGS = {
+    "apply_residual_connection_post_layernorm": True,
+    "swiglu": True,
+    "squared_relu": True,
+    "add_bias_linear": False,
+    "untie_embeddings_and_output_weights": None,  # handled: untied output layer is kept
+}
+
+
+def _refuse_unsupported_architecture(args: Any) -> None:
+    if args is None:
+        return
+    problems = [
+        f"{name}={getattr(args, name)!r}"
+        for name, bad in _UNSUPPORTED_ARGS.items()
+        if bad is not None and getattr(args, name, not bad) == bad
+    ]
+    normalization = getattr(args, "normalization", "LayerNorm")
+    if normalization != "LayerNorm":
+        problems.append(f"normalization={normalization!r}")
+    position_type = getattr(args, "position_embedding_type", "learned_absolute")
+    if position_type != "learned_absolute":
+        problems.append(f"position_embedding_type={position_type!r}")
+    if problems:
+        raise ValueError(f"the Megatron model uses options TNLG does not implement: {', '.join(problems)}")
+
+
+def _activation_from_args(args: Any) -> str:
+    """Megatron's GeLU: tanh-approximated when `openai_gelu` or the fused bias-GeLU kernel is on."""
+    if args is None:
+        return "gelu_new"
+    fused = getattr(args, "bias_gelu_fusion", getattr(args, "bias_activation_fusion", True))
+    return "gelu_new" if getattr(args, "openai_gelu", False) or fused else "gelu"
+
+
 def from_megatron(
     source: str | Path | Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
     *,
     num_attention_heads: int | None = None,
     vocab_size: int | None = None,
     checkpoint_version: float | None = None,
-    hidden_act: str = "gelu_new",
+    hidden_act: str | None = None,
     layer_norm_epsilon: float | None = None,
     dtype: torch.dtype | None = None,
 ) -> TNLGForCausalLM:
@@ -283,8 +334,9 @@ def from_megatron(
     state dicts, one per tensor-parallel rank in rank order. Settings absent from the tensors come
     from the checkpoint's saved `args` when present, else from the keyword arguments:
     `num_attention_heads` (required without args), `checkpoint_version` (legacy QKV order; default
-    3.0), `layer_norm_epsilon` (default 1e-5). `hidden_act` defaults to `gelu_new`, the tanh GeLU
-    of Megatron's fused bias-GeLU kernel; pass `gelu` for a model trained without that fusion.
+    3.0), `layer_norm_epsilon` (default 1e-5), `hidden_act` (from the args: `gelu_new`, the tanh GeLU,
+    when `openai_gelu` or the fused bias-GeLU kernel was on, else the exact `gelu`; without args
+    `gelu_new`). Architecture options TNLG does not implement are refused.
     `vocab_size` trims the padded embedding rows (e.g. 50257 for the GPT-2 tokenizer).
     """
     metadata: dict = {}
@@ -295,6 +347,9 @@ def from_megatron(
     else:
         shards = {(tp, 0): flatten(shard) for tp, shard in enumerate(source)}
     args = metadata.get("args")
+    _refuse_unsupported_architecture(args)
+    if hidden_act is None:
+        hidden_act = _activation_from_args(args)
     num_attention_heads = num_attention_heads or getattr(args, "num_attention_heads", None)
     if num_attention_heads is None:
         raise ValueError("the checkpoint carries no args: pass num_attention_heads")

@@ -80,7 +80,7 @@ def load_torch_file(path: str | Path) -> object:
     arrays; those types are allow-listed. Anything else (arbitrary classes) is refused with the
     list of globals the file wants, never executed.
     """
-    safe = [argparse.Namespace, *_numpy_safe_globals()]
+    safe = [argparse.Namespace, *_numpy_safe_globals(), *_megatron_enum_stubs(path)]
     try:
         with torch.serialization.safe_globals(safe):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -94,6 +94,32 @@ def load_torch_file(path: str | Path) -> object:
             f"Globals it needs beyond plain tensors: {wanted or 'unknown'}. Re-save the state dict "
             "alone (e.g. torch.save(model.state_dict(), ...)) or as safetensors."
         ) from error
+
+
+def _megatron_enum_stubs(path: Path) -> list[tuple[type, str]]:
+    """Inert stand-ins for the Megatron enums its saved `args` hold (e.g. `ModelType`).
+
+    Megatron pickles enum members inside the args; loading them must not import (or execute)
+    Megatron. Each stub only records the value it is rebuilt with.
+    """
+    try:
+        wanted = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception:
+        return []
+    return [(_stub_class(name), name) for name in wanted if name.startswith("megatron.")]
+
+
+def _stub_class(qualified_name: str) -> type:
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state):
+        self.state = state
+
+    name = qualified_name.rsplit(".", 1)[-1]
+    return type(
+        name, (), {"__init__": __init__, "__setstate__": __setstate__, "__module__": "tnlg.convert.stub"}
+    )
 
 
 def _numpy_safe_globals() -> list[object]:
