@@ -1,6 +1,14 @@
 """tnlg.sharding: the ZeRO engine on torch.distributed (knows nothing about GPT).
 
-The engine (stages 0-3, offload, fused kernels) lands here; see DESIGN.md's module map.
+from tnlg.sharding import ZeroConfig, initialize
+engine = initialize(model, optimizer, ZeroConfig(stage=3, mixed_precision="bf16"))
+loss = engine(**batch).loss
+engine.backward(loss)
+engine.step()
 """
 
-__all__: list[str] = []
+from .collectives import CommStats
+from .config import ZeroConfig, parse_deepspeed
+from .engine import ZeroEngine, initialize
+
+__all__ = ["CommStats", "ZeroConfig", "ZeroEngine", "initialize", "parse_deepspeed"]

@@ -1,0 +1,230 @@
+"""`ZeroEngine`: composes the flat groups, gradient reducer, stage 3 scheduler and sharded step.
+
+The stage is a policy, not a class hierarchy: `ZeroConfig.stage` decides which buffers a
+`FlatGroup` keeps (flat_group.py), which collective reduces a unit's gradients (grads.py), and
+whether parameters are gathered around their use (params.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .collectives import Collectives, CommStats
+from .config import ZeroConfig
+from .flat_group import FlatGroup
+from .grads import GradientReducer
+from .loss_scaler import LossScaler
+from .optimizer import ShardedOptimizer
+from .params import ParameterScheduler
+from .plan import plan_sharding
+
+logger = logging.getLogger(__name__)
+
+COMPUTE_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# On CUDA each rank's piece of a unit starts on a 256-byte boundary: NCCL and vectorised kernels
+# are fastest on aligned buffers. On CPU the padding would only cost memory.
+CUDA_ALIGNMENT_BYTES = 256
+
+
+class ZeroEngine(nn.Module):
+    """A model and its optimizer, sharded across the data-parallel ranks by ZeRO stage 0-3.
+
+    `engine(**batch)` runs the wrapped module; `backward`, `step` and `zero_grad` replace
+    `loss.backward()`, `optimizer.step()` and `optimizer.zero_grad()`. `engine.module` is the
+    user's module, with the same class and parameter names; its parameters are views into the
+    engine's buffers (in stage 3, only while gathered).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: ZeroConfig | Mapping[str, Any] | str | Path | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        self.config = ZeroConfig.coerce(config)
+        self.collectives = Collectives(process_group, CommStats())
+        plan = plan_sharding(module, optimizer, self.config)
+        _check_backend(plan.device, self.collectives)
+        self.module = module
+        self.compute_dtype = COMPUTE_DTYPES[self.config.mixed_precision]
+        self._sync_module_states()
+        alignment = 1
+        if plan.device.type == "cuda":
+            alignment = CUDA_ALIGNMENT_BYTES // torch.tensor([], dtype=self.compute_dtype).element_size()
+        self.groups = [
+            FlatGroup(group, self.config.stage, self.compute_dtype, plan.device, self.collectives, alignment)
+            for group in plan.groups
+        ]
+        for group in self.groups:
+            group.build_from_params()
+        self._cast_frozen_floating_tensors()
+        self.loss_scaler = LossScaler(self.config)
+        self.optimizer = ShardedOptimizer(
+            optimizer,
+            self.groups,
+            self.collectives,
+            self.loss_scaler,
+            self.config.gradient_clipping,
+            sharded=self.config.stage >= 1,
+        )
+        self.scheduler = (
+            ParameterScheduler(plan.blocks, self.groups, self.config, self.collectives)
+            if self.config.partitions_parameters
+            else None
+        )
+        self.reducer = GradientReducer(
+            self.groups,
+            self.config.stage,
+            self.collectives,
+            self.config.overlap_comm,
+            on_unit_reduced=self.scheduler.on_unit_reduced if self.scheduler else None,
+            on_backward_end=self.scheduler.release_all if self.scheduler else None,
+        )
+        self.global_steps = 0
+
+    # ------------------------------------------------------------------ the training loop
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` (times the fp16 loss scale); gradients are reduced as they are ready."""
+        scale = self.loss_scaler.scale
+        # The scaled loss is formed in fp32: a 16-bit loss times 2^16 would overflow right here.
+        (loss.float() * scale if scale != 1.0 else loss).backward()
+
+    def step(self) -> bool:
+        """Clip, update this rank's shard, re-materialize the parameters; False if skipped (overflow)."""
+        stepped = self.optimizer.step()
+        self.global_steps += 1
+        self.zero_grad()
+        return stepped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the engine's gradient buffers (`set_to_none` is accepted for API compatibility)."""
+        for group in self.groups:
+            group.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-steps of gradient accumulation: stages 0-1 skip the reduction until the step's last
+        backward (outside this context); stages 2-3 still reduce each micro-step into the shards."""
+        previous = self.reducer.sync
+        self.reducer.sync = False
+        try:
+            yield
+        finally:
+            self.reducer.sync = previous
+
+    # ------------------------------------------------------------------ state
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step, before clipping (None before the first step)."""
+        return self.optimizer.global_grad_norm
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return self.optimizer.step_was_skipped
+
+    @property
+    def world_size(self) -> int:
+        return self.collectives.world_size
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The whole model's state dict, consolidated tensor by tensor, with `module.state_dict()`'s keys.
+
+        Sharded parameters come from the fp32 master weights (the exact trained values); frozen
+        parameters and buffers as they are. Every rank must call it (it communicates); only rank 0
+        gets the tensors unless `rank0_only=False`. Peak memory beyond the shards: one unit.
+        """
+        keep = self.collectives.rank == 0 or not rank0_only
+        gathered: dict[int, torch.Tensor] = {}
+        for group in self.groups:
+            layout = group.layout
+            for unit in layout.units:
+                full = torch.empty(unit.numel, dtype=torch.float32, device=group.device)
+                if layout.num_shards == 1:
+                    full.copy_(layout.shard_piece(group.master, unit))
+                else:
+                    self.collectives.all_gather(full, layout.shard_piece(group.master, unit))
+                if keep:
+                    for index in unit.slots:
+                        slot = layout.slots[index]
+                        gathered[id(group.params[index])] = layout.param_view(full, slot).clone().cpu()
+        if not keep:
+            return {}
+        result = {}
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            if id(tensor) in gathered:
+                result[name] = gathered[id(tensor)]
+            else:
+                result[name] = tensor.detach().clone().cpu()
+        return result
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds, by kind: 16-bit (compute-dtype) params, grads, fp32 master, optimizer state."""
+        totals = {"params": 0, "grads": 0, "master": 0}
+        for group in self.groups:
+            for kind, nbytes in group.memory_bytes().items():
+                totals[kind] += nbytes
+        totals["optimizer_state"] = self.optimizer.state_bytes()
+        totals["total"] = sum(totals.values())
+        return totals
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """Calls and payload bytes per collective kind since the last reset."""
+        return self.collectives.stats.as_dict()
+
+    def reset_comm_stats(self) -> None:
+        self.collectives.stats.reset()
+
+    # ------------------------------------------------------------------ setup helpers
+    def _sync_module_states(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers, as DistributedDataParallel does."""
+        if not self.collectives.active:
+            return
+        with torch.no_grad():
+            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+                self.collectives.broadcast(tensor.data, 0)
+
+    def _cast_frozen_floating_tensors(self) -> None:
+        """Frozen parameters compute in the same dtype as the sharded ones."""
+        if self.compute_dtype == torch.float32:
+            return
+        for param in self.module.parameters():
+            if not param.requires_grad and param.is_floating_point():
+                param.data = param.data.to(self.compute_dtype)
+
+
+def _check_backend(device: torch.device, collectives: Collectives) -> None:
+    if not collectives.active:
+        return
+    backend = dist.get_backend(collectives.group)
+    if device.type == "cpu" and "gloo" not in str(backend):
+        raise ValueError(f"the model is on the CPU but the process group's backend is {backend}; use gloo")
+    if device.type == "cuda" and "nccl" not in str(backend):
+        logger.warning(
+            "the model is on CUDA but the process group's backend is %s; NCCL is much faster", backend
+        )
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: ZeroConfig | Mapping[str, Any] | str | Path | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> ZeroEngine:
+    """Shard `model` and `optimizer` across the ranks of `process_group` (default: the world)."""
+    return ZeroEngine(model, optimizer, config, process_group)

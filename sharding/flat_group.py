@@ -1,0 +1,183 @@
+"""`FlatGroup`: the buffers of one optimizer param group, and the parameter views into them.
+
+Which buffers exist is the stage's policy (see [Note: flat layout] in partition.py):
+
+    stage   16-bit params            gradients                       fp32 master (+ optimizer state)
+    0       full, persistent         full, persistent (param.grad)   full (num_shards = 1)
+    1       full, persistent         full, persistent (param.grad)   this rank's shard
+    2       full, persistent         this rank's shard only          this rank's shard
+    3       this rank's shard; a     this rank's shard only          this rank's shard
+            unit's full buffer only
+            while it is gathered
+
+"16-bit" is the compute dtype: fp32 when mixed precision is off. Parameters are views into their
+unit's full buffer. In stage 3 a released unit keeps its buffer object with a zero-byte storage,
+so the views (and tensors autograd saved from them) see the data again once it is re-gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .collectives import Collectives
+from .partition import FlatLayout, Unit
+from .plan import GroupPlan
+
+
+class FlatGroup:
+    def __init__(
+        self,
+        plan: GroupPlan,
+        stage: int,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        collectives: Collectives,
+        alignment: int = 1,
+    ):
+        self.index = plan.index
+        self.params: list[nn.Parameter] = plan.params
+        self.stage = stage
+        self.collectives = collectives
+        num_shards = collectives.world_size if stage >= 1 else 1
+        self.shard_rank = collectives.rank if stage >= 1 else 0
+        self.layout = FlatLayout(
+            plan.names, [tuple(p.shape) for p in plan.params], plan.units, num_shards, alignment
+        )
+        self.unit_blocks = plan.unit_blocks  # stage 3: the block each unit belongs to (None: persistent)
+        self.persistent = (
+            [block is None for block in plan.unit_blocks] if stage == 3 else [True] * len(plan.units)
+        )
+        self.compute_dtype = compute_dtype
+        self.device = device
+        self.full: torch.Tensor | None = None
+        self.shard: torch.Tensor | None = None
+        self.full_grad: torch.Tensor | None = None
+        self.shard_grad: torch.Tensor | None = None
+        self.unit_full: list[torch.Tensor] = []
+        self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
+
+    # ------------------------------------------------------------------ construction
+    def build_from_params(self) -> None:
+        """Copy the parameters' current values in, then make the parameters views of the buffers.
+
+        The master copy is taken from the original values before any cast to 16 bits.
+        """
+        layout, dtype = self.layout, self.compute_dtype
+        for slot, param in zip(layout.slots, self.params, strict=True):
+            owned = layout.owned_range(slot, self.shard_rank)
+            if owned is not None:
+                start, end, at = owned
+                self.master[at : at + end - start].copy_(param.detach().reshape(-1)[start:end])
+        if self.stage < 3:
+            self.full = torch.zeros(layout.full_numel, dtype=dtype, device=self.device)
+            self.unit_full = [layout.unit_view(self.full, unit) for unit in layout.units]
+            for slot, param in zip(layout.slots, self.params, strict=True):
+                layout.param_view(self.unit_full[slot.unit], slot).copy_(param.detach())
+        else:
+            self.shard = self.master.to(dtype, copy=True)
+            self.unit_full = [
+                torch.zeros(unit.numel, dtype=dtype, device=self.device) for unit in layout.units
+            ]
+            for slot, param in zip(layout.slots, self.params, strict=True):
+                if self.persistent[slot.unit]:
+                    layout.param_view(self.unit_full[slot.unit], slot).copy_(param.detach())
+        self._point_params_at_buffers()
+        if self.stage == 3:
+            for unit in layout.units:
+                if not self.persistent[unit.index]:
+                    self.release(unit)
+        self._allocate_gradients()
+
+    def _point_params_at_buffers(self) -> None:
+        for slot, param in zip(self.layout.slots, self.params, strict=True):
+            view = self.layout.param_view(self.unit_full[slot.unit], slot)
+            if param.device != view.device or param.is_meta:
+                torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
+            else:
+                param.data = view
+
+    def _allocate_gradients(self) -> None:
+        if self.stage <= 1:
+            self.full_grad = torch.zeros(self.layout.full_numel, dtype=self.compute_dtype, device=self.device)
+            for slot, param in zip(self.layout.slots, self.params, strict=True):
+                param.grad = self.grad_view(slot.index)
+        else:
+            self.shard_grad = torch.zeros(
+                self.layout.shard_numel, dtype=self.compute_dtype, device=self.device
+            )
+
+    # ------------------------------------------------------------------ views
+    def grad_view(self, index: int) -> torch.Tensor:
+        """Stages 0-1: parameter `index`'s gradient, a view of the persistent full gradient buffer."""
+        slot = self.layout.slots[index]
+        unit = self.layout.units[slot.unit]
+        return self.layout.param_view(self.layout.unit_view(self.full_grad, unit), slot)
+
+    def grad_piece(self, unit: Unit) -> torch.Tensor:
+        """This rank's reduced gradient piece of `unit` (what the optimizer step consumes)."""
+        if self.stage <= 1:
+            return self.layout.piece_view(self.full_grad, unit, self.shard_rank)
+        return self.layout.shard_piece(self.shard_grad, unit)
+
+    def grad_pieces(self) -> list[torch.Tensor]:
+        return [self.grad_piece(unit) for unit in self.layout.units]
+
+    # ------------------------------------------------------------------ stage 3 gather / release
+    def is_gathered(self, unit: Unit) -> bool:
+        return self.unit_full[unit.index].untyped_storage().nbytes() > 0
+
+    def gather(self, unit: Unit, async_op: bool = False):
+        buffer = self.unit_full[unit.index]
+        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+        return self.collectives.all_gather(
+            buffer, self.layout.shard_piece(self.shard, unit), async_op=async_op
+        )
+
+    def release(self, unit: Unit) -> None:
+        self.unit_full[unit.index].untyped_storage().resize_(0)
+
+    # ------------------------------------------------------------------ after the optimizer step
+    def write_back(self) -> None:
+        """Updated fp32 master shard → the 16-bit parameters every rank computes with."""
+        layout = self.layout
+        if self.stage == 0:
+            self.full.copy_(self.master)  # one shard: the shard layout is the full layout
+            return
+        handles = []
+        if self.stage < 3:
+            for unit in layout.units:
+                piece = layout.piece_view(self.full, unit, self.shard_rank)
+                piece.copy_(layout.shard_piece(self.master, unit))
+                handles.append(
+                    self.collectives.all_gather(layout.unit_view(self.full, unit), piece, async_op=True)
+                )
+        else:
+            self.shard.copy_(self.master)
+            for unit in layout.units:
+                if self.persistent[unit.index]:
+                    handles.append(self.gather(unit, async_op=True))
+        for handle in handles:
+            handle.wait()
+
+    def zero_grad(self) -> None:
+        if self.full_grad is not None:
+            self.full_grad.zero_()
+            for slot, param in zip(self.layout.slots, self.params, strict=True):
+                if param.grad is None or param.grad.data_ptr() != self.grad_view(slot.index).data_ptr():
+                    param.grad = self.grad_view(slot.index)
+        if self.shard_grad is not None:
+            self.shard_grad.zero_()
+            for param in self.params:
+                param.grad = None
+
+    # ------------------------------------------------------------------ accounting
+    def memory_bytes(self) -> dict[str, int]:
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.untyped_storage().nbytes()
+
+        params = (
+            size(self.full) if self.stage < 3 else size(self.shard) + sum(size(b) for b in self.unit_full)
+        )
+        grads = size(self.full_grad) + size(self.shard_grad)
+        return {"params": params, "grads": grads, "master": size(self.master)}

@@ -1,0 +1,176 @@
+"""Gradient reduction during backward: hooks, per-unit readiness, asynchronous collectives.
+
+[Note: gradient reduction]
+A post-accumulate-grad hook on every sharded parameter counts down its unit. When the last
+gradient of a unit has been accumulated, the unit's reduction is launched asynchronously
+(`overlap_comm`), so it runs while autograd computes the remaining gradients:
+
+    stage 0: all-reduce the unit's slice of the full gradient buffer, in place;
+    stage 1: reduce-scatter it in place, so this rank's piece of the buffer holds the sum;
+    stages 2-3: copy the unit's gradients into a bucket, free them, reduce-scatter the bucket
+             into a piece that is added to this rank's gradient shard (so micro-steps accumulate).
+
+Sums become means (divided by the world size) when a reduction completes. A callback queued on
+autograd's engine runs when backward ends: it reduces the units that never completed (parameters
+unused in this step, whose gradients count as zero), in unit order, identically on every rank, and
+waits for every collective. Under `no_sync` stages 0-1 skip all of this and let gradients accumulate
+locally; stages 2-3 keep reducing, since they do not keep full gradients.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .collectives import Collectives
+from .flat_group import FlatGroup
+from .partition import Unit
+
+# Stages 2-3 hold a full-size bucket per reduction in flight; two overlap communication with the
+# next bucket's copy without letting buckets pile up.
+MAX_BUCKETS_IN_FLIGHT = 2
+
+
+@dataclass
+class _InFlight:
+    handle: object
+    finish: Callable[[], None]
+
+
+class GradientReducer:
+    def __init__(
+        self,
+        groups: list[FlatGroup],
+        stage: int,
+        collectives: Collectives,
+        overlap_comm: bool,
+        on_unit_reduced: Callable[[FlatGroup, Unit], None] | None = None,
+        on_backward_end: Callable[[], None] | None = None,
+    ):
+        self.groups = groups
+        self.stage = stage
+        self.collectives = collectives
+        self.overlap_comm = overlap_comm
+        self.on_unit_reduced = on_unit_reduced
+        self.on_backward_end = on_backward_end
+        self.sync = True
+        self._where: dict[int, tuple[FlatGroup, int]] = {}
+        for group in groups:
+            for index, param in enumerate(group.params):
+                self._where[id(param)] = (group, index)
+        self._pending: dict[tuple[int, int], int] = {}
+        self._reduced: set[tuple[int, int]] = set()
+        self._in_flight: deque[_InFlight] = deque()
+        self._backward_active = False
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(self._on_gradient)
+            for group in groups
+            for param in group.params
+        ]
+        self._reset()
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    @property
+    def reducing(self) -> bool:
+        """Whether this backward reduces gradients (not a stage 0-1 `no_sync` micro-step)."""
+        return self.sync or self.stage >= 2
+
+    def _reset(self) -> None:
+        self._pending = {
+            (g, unit.index): len(unit.slots)
+            for g, group in enumerate(self.groups)
+            for unit in group.layout.units
+        }
+        self._reduced.clear()
+
+    # ------------------------------------------------------------------ hooks
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        group, index = self._where[id(param)]
+        if self.stage <= 1:
+            view = group.grad_view(index)
+            if param.grad.data_ptr() != view.data_ptr():  # the gradient was set to None since: take it back
+                view.copy_(param.grad)
+                param.grad = view
+        if not self.reducing:
+            return
+        if not self._backward_active:
+            self._backward_active = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        g = self.groups.index(group)
+        unit = group.layout.slots[index].unit
+        key = (g, unit)
+        self._pending[key] -= 1
+        if self._pending[key] == 0 and self.overlap_comm:
+            self._reduce(g, group.layout.units[unit])
+
+    def _finish_backward(self) -> None:
+        for g, group in enumerate(self.groups):
+            for unit in group.layout.units:
+                if (g, unit.index) not in self._reduced:
+                    self._reduce(g, unit)
+        while self._in_flight:
+            self._complete_oldest()
+        self._reset()
+        self._backward_active = False
+        if self.on_backward_end is not None:
+            self.on_backward_end()
+
+    # ------------------------------------------------------------------ reductions
+    def _reduce(self, g: int, unit: Unit) -> None:
+        group = self.groups[g]
+        self._reduced.add((g, unit.index))
+        world = self.collectives.world_size
+        layout = group.layout
+        if self.stage == 0:
+            full = layout.unit_view(group.full_grad, unit)
+            handle = self.collectives.all_reduce(full, async_op=True)
+            self._in_flight.append(_InFlight(handle, lambda: full.div_(world)))
+        elif self.stage == 1:
+            piece = group.grad_piece(unit)
+            handle = self.collectives.reduce_scatter(
+                piece, layout.unit_view(group.full_grad, unit), async_op=True
+            )
+            self._in_flight.append(_InFlight(handle, lambda: piece.div_(world)))
+        else:
+            bucket = torch.empty(unit.numel, dtype=group.compute_dtype, device=group.device)
+            used = 0
+            for index in unit.slots:
+                slot, param = layout.slots[index], group.params[index]
+                target = bucket.narrow(0, slot.offset, slot.numel)
+                if param.grad is None:  # unused in this step
+                    target.zero_()
+                else:
+                    target.copy_(param.grad.reshape(-1))
+                    param.grad = None
+                used = slot.offset + slot.numel
+            bucket.narrow(0, used, unit.numel - used).zero_()
+            reduced = torch.empty(unit.piece, dtype=group.compute_dtype, device=group.device)
+            handle = self.collectives.reduce_scatter(reduced, bucket, async_op=True)
+            shard_piece = group.grad_piece(unit)
+
+            def accumulate(bucket=bucket, reduced=reduced, shard_piece=shard_piece) -> None:
+                del bucket  # kept alive until the collective has read it
+                shard_piece.add_(reduced, alpha=1.0 / world)
+
+            self._in_flight.append(_InFlight(handle, accumulate))
+            while len(self._in_flight) > MAX_BUCKETS_IN_FLIGHT:
+                self._complete_oldest()
+        if self.on_unit_reduced is not None:
+            self.on_unit_reduced(group, unit)
+
+    def _complete_oldest(self) -> None:
+        work = self._in_flight.popleft()
+        work.handle.wait()
+        work.finish()
+
+    def flush(self) -> None:
+        """Reduce everything now (a backward that ran without hooks firing still ends consistently)."""
+        if self._backward_active:
+            self._finish_backward()

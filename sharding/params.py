@@ -1,0 +1,198 @@
+"""Stage 3 parameter lifecycle: gather each block just before use, prefetch the next, release after.
+
+[Note: stage 3 block lifecycle]
+Every block (a `_no_split_modules` instance, else a child of the model; the model itself is the
+root block holding what is left, typically the embeddings and the tied output layer) moves
+through asserted states:
+
+    SHARDED --gather()--> GATHERING --wait()--> GATHERED --release()--> SHARDED
+
+forward pre-hook:   wait for (or start) its gather; prefetch the following blocks asynchronously
+forward post-hook:  release it (reshard_after_forward), and hook its outputs' gradients so that
+                    backward gathers it again before its own backward runs (and prefetches the
+                    block before it)
+gradients reduced:  once every unit of the block has been reduced, release it
+backward end:       release everything still gathered (unused blocks, the root)
+
+The root block stays gathered from the start of forward to the end of backward: its parameters
+are used first and last in forward and first in backward. Without gradients (evaluation,
+generation) every block is released when the root's forward returns. The order of gathers is
+the same on every rank, since it follows the same module calls.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from .collectives import Collectives
+from .config import ZeroConfig
+from .flat_group import FlatGroup
+from .partition import Unit
+from .plan import BlockPlan
+
+
+class BlockState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class Block:
+    def __init__(self, plan: BlockPlan, units: list[tuple[FlatGroup, Unit]]):
+        self.name = plan.name or "<root>"
+        self.module = plan.module
+        self.is_root = plan.is_root
+        self.units = units
+        self.numel = sum(unit.numel for _, unit in units)
+        self.state = BlockState.SHARDED
+        self._handles: list[object] = []
+        self.units_reduced = 0
+        self.backward_prepared = False
+
+    def gather(self) -> None:
+        assert self.state is BlockState.SHARDED, f"{self.name}: gather while {self.state.value}"
+        self._handles = [group.gather(unit, async_op=True) for group, unit in self.units]
+        self.state = BlockState.GATHERING
+
+    def wait(self) -> None:
+        assert self.state is BlockState.GATHERING, f"{self.name}: wait while {self.state.value}"
+        for handle in self._handles:
+            handle.wait()
+        self._handles = []
+        self.state = BlockState.GATHERED
+
+    def ensure_gathered(self) -> None:
+        if self.state is BlockState.SHARDED:
+            self.gather()
+        if self.state is BlockState.GATHERING:
+            self.wait()
+
+    def release(self) -> None:
+        if self.state is BlockState.GATHERING:
+            self.wait()  # never free a buffer a collective is still writing
+        if self.state is BlockState.GATHERED:
+            for group, unit in self.units:
+                group.release(unit)
+        self.state = BlockState.SHARDED
+
+
+class ParameterScheduler:
+    def __init__(
+        self, plans: list[BlockPlan], groups: list[FlatGroup], config: ZeroConfig, collectives: Collectives
+    ):
+        self.config = config
+        self.collectives = collectives
+        units: dict[int, list[tuple[FlatGroup, Unit]]] = {i: [] for i in range(len(plans))}
+        self._block_of: dict[tuple[int, int], Block] = {}
+        unit_blocks = {}
+        for group in groups:
+            for unit in group.layout.units:
+                block_index = group.unit_blocks[unit.index]
+                if block_index is not None:
+                    units[block_index].append((group, unit))
+                    unit_blocks[(id(group), unit.index)] = block_index
+        self.blocks = [Block(plan, units[i]) for i, plan in enumerate(plans)]
+        for (group_id, unit_index), block_index in unit_blocks.items():
+            self._block_of[(group_id, unit_index)] = self.blocks[block_index]
+        self.root = self.blocks[-1]
+        self.ordered = [b for b in self.blocks if not b.is_root and b.units]
+        self._position = {id(b): i for i, b in enumerate(self.ordered)}
+        self._hooks = []
+        for block in self.ordered:
+            self._hooks.append(block.module.register_forward_pre_hook(self._pre_forward_hook(block)))
+            self._hooks.append(block.module.register_forward_hook(self._post_forward_hook(block)))
+        self._hooks.append(self.root.module.register_forward_pre_hook(self._root_pre_forward))
+        self._hooks.append(self.root.module.register_forward_hook(self._root_post_forward))
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    # ------------------------------------------------------------------ forward
+    def _root_pre_forward(self, module: nn.Module, args: tuple) -> None:
+        self.root.ensure_gathered()
+
+    def _root_post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        if not torch.is_grad_enabled():
+            self.release_all()
+
+    def _pre_forward_hook(self, block: Block):
+        def hook(module: nn.Module, args: tuple) -> None:
+            block.ensure_gathered()
+            self._prefetch(self._position[id(block)], step=1)
+
+        return hook
+
+    def _post_forward_hook(self, block: Block):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            tensors = [t for t in _tensors(output) if t.requires_grad]
+            if torch.is_grad_enabled() and tensors:
+                if self.config.reshard_after_forward:
+                    block.release()
+                block.backward_prepared = False
+                for tensor in tensors:
+                    tensor.register_hook(self._pre_backward_hook(block))
+            else:
+                block.release()
+
+        return hook
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward_hook(self, block: Block):
+        def hook(grad: torch.Tensor) -> None:
+            if not block.backward_prepared:
+                block.backward_prepared = True
+                block.ensure_gathered()
+                self._prefetch(self._position[id(block)], step=-1)
+
+        return hook
+
+    def on_unit_reduced(self, group: FlatGroup, unit: Unit) -> None:
+        block = self._block_of.get((id(group), unit.index))
+        if block is None:
+            return
+        block.units_reduced += 1
+        if block.units_reduced == len(block.units) and not block.is_root:
+            block.release()
+
+    def release_all(self) -> None:
+        for block in self.blocks:
+            block.release()
+            block.units_reduced = 0
+            block.backward_prepared = False
+
+    # ------------------------------------------------------------------ prefetch
+    def _prefetch(self, position: int, step: int) -> None:
+        """Start gathering the blocks after (step=1) or before (step=-1) `position`, within budget."""
+        budget = self.config.prefetch_bucket_size
+        live = self.live_numel()
+        index = position + step
+        while 0 <= index < len(self.ordered) and budget > 0:
+            block = self.ordered[index]
+            if block.state is BlockState.SHARDED:
+                if live + block.numel > self.config.max_live_parameters:
+                    return
+                block.gather()
+                live += block.numel
+            budget -= block.numel
+            index += step
+
+    def live_numel(self) -> int:
+        return sum(b.numel for b in self.blocks if b.state is not BlockState.SHARDED)
+
+
+def _tensors(output: object) -> Iterator[torch.Tensor]:
+    """The tensors in a module's output: a tensor, or nested tuples / lists / dicts (ModelOutput)."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for item in output:
+            yield from _tensors(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors(item)

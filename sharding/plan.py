@@ -1,0 +1,137 @@
+"""What gets sharded, grouped how: validation of the inputs and the unit plan of every param group.
+
+Everything here is decided from the model, the optimizer and the config alone, identically on
+every rank, before any collective runs: a bad input raises on all ranks together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .config import ZeroConfig
+from .partition import pack_units
+
+
+@dataclass
+class BlockPlan:
+    """Stage 3: a module whose parameters are gathered together around its forward and backward."""
+
+    name: str
+    module: nn.Module
+    is_root: bool = False
+
+
+@dataclass
+class GroupPlan:
+    """One optimizer param group: its trainable parameters and how they are cut into units."""
+
+    index: int
+    params: list[nn.Parameter]
+    names: list[str]
+    units: list[list[int]] = field(default_factory=list)  # parameter indices per unit
+    unit_blocks: list[int | None] = field(default_factory=list)  # stage 3: the block a unit belongs to
+    # (None = a persistent unit: small parameters kept whole on every rank)
+
+
+@dataclass
+class ShardingPlan:
+    groups: list[GroupPlan]
+    blocks: list[BlockPlan]
+    device: torch.device
+
+
+def plan_sharding(module: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig) -> ShardingPlan:
+    """Validate the inputs and plan the units; raises ValueError naming the problem."""
+    if config.offload_optimizer != "none" or config.offload_param != "none":
+        raise ValueError(
+            "CPU offload (ZeroConfig.offload_optimizer / offload_param) is not implemented yet; set both to 'none'"
+        )
+    named = list(module.named_parameters())  # tied parameters appear once, under their first name
+    if not named:
+        raise ValueError("the model has no parameters")
+    devices = sorted({str(p.device) for _, p in named})
+    if len(devices) > 1:
+        raise ValueError(
+            f"the model's parameters are on several devices ({', '.join(devices)}); move it to one"
+        )
+    names = {id(p): name for name, p in named}
+    order = {id(p): i for i, (_, p) in enumerate(named)}
+
+    groups: list[GroupPlan] = []
+    seen: set[int] = set()
+    for index, group in enumerate(optimizer.param_groups):
+        params = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    f"optimizer param group {index} holds a parameter of shape {list(p.shape)} that is not in the "
+                    "model; build the optimizer over model.parameters()"
+                )
+            if id(p) in seen:
+                raise ValueError(f"parameter {names[id(p)]} appears in more than one optimizer param group")
+            seen.add(id(p))
+            if p.requires_grad:  # frozen parameters stay whole and untouched, as with DDP
+                params.append(p)
+        params.sort(key=lambda p: order[id(p)])
+        groups.append(GroupPlan(index, params, [names[id(p)] for p in params]))
+    orphans = [name for name, p in named if p.requires_grad and id(p) not in seen]
+    if orphans:
+        raise ValueError(
+            f"parameters that require grad are in no optimizer param group: {orphans}; add them to the "
+            "optimizer or set requires_grad=False"
+        )
+
+    blocks = _find_blocks(module) if config.partitions_parameters else []
+    if config.partitions_parameters:
+        _plan_stage3_units(groups, blocks, config)
+    else:
+        for group in groups:
+            group.units = pack_units([p.numel() for p in group.params], config.reduce_bucket_size)
+            group.unit_blocks = [None] * len(group.units)
+    return ShardingPlan(groups, blocks, named[0][1].device)
+
+
+def _find_blocks(module: nn.Module) -> list[BlockPlan]:
+    """The gather blocks: the model's `_no_split_modules` instances (outermost), else its children.
+
+    Parameters outside every block belong to the root block (the model itself), which is
+    gathered for the whole forward (it typically holds the embeddings and the output layer).
+    """
+    no_split = set(getattr(module, "_no_split_modules", None) or [])
+    blocks: list[BlockPlan] = []
+    if no_split:
+        taken: list[str] = []
+        for name, child in module.named_modules():
+            if type(child).__name__ in no_split and name and not any(name.startswith(t + ".") for t in taken):
+                blocks.append(BlockPlan(name, child))
+                taken.append(name)
+    else:
+        blocks = [
+            BlockPlan(name, child) for name, child in module.named_children() if any(child.parameters())
+        ]
+    blocks.append(BlockPlan("", module, is_root=True))
+    return blocks
+
+
+def _plan_stage3_units(groups: list[GroupPlan], blocks: list[BlockPlan], config: ZeroConfig) -> None:
+    owner: dict[int, int] = {}
+    for block_index, block in enumerate(blocks):
+        for p in block.module.parameters():
+            owner.setdefault(id(p), block_index)  # a tied parameter belongs to the first block using it
+    for group in groups:
+        persistent = [
+            i for i, p in enumerate(group.params) if p.numel() <= config.param_persistence_threshold
+        ]
+        by_block: dict[int, list[int]] = {}
+        for i, p in enumerate(group.params):
+            if p.numel() > config.param_persistence_threshold:
+                by_block.setdefault(owner[id(p)], []).append(i)
+        units = [(members, block) for block, members in by_block.items()]
+        packed = pack_units([group.params[i].numel() for i in persistent], config.reduce_bucket_size)
+        units += [([persistent[j] for j in run], None) for run in packed]
+        units.sort(key=lambda unit: unit[0][0])  # layout follows the model's parameter order
+        group.units = [members for members, _ in units]
+        group.unit_blocks = [block for _, block in units]

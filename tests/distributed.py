@@ -1,0 +1,96 @@
+"""A small harness that runs a function on N gloo processes and returns each rank's result.
+
+- Each rank runs `fn(rank, world_size, *args)` in a fresh (spawned) interpreter, with the default
+  process group initialised over loopback.
+- A rank that raises sends its traceback; the harness re-raises it in the test, naming the rank.
+- Nothing hangs: collectives time out (`collective_timeout`) and the whole run has a deadline
+  (`timeout`) after which every process is killed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, collective_timeout, results, args):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        torch.set_num_threads(1)  # several ranks share two cores
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout)
+        )
+        try:
+            # Serialised to bytes: tensors sent through the queue by shared memory would vanish with
+            # this process before the parent reads them.
+            payload = io.BytesIO()
+            torch.save(fn(rank, world_size, *args), payload)
+            results.put((rank, "ok", payload.getvalue()))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 240.0,
+    collective_timeout: float = 60.0,
+) -> list[Any]:
+    """`[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]`, each run in its own process."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_worker, args=(fn, rank, world_size, port, collective_timeout, results, args))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    outputs: dict[int, Any] = {}
+    try:
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        while len(outputs) < world_size:
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            try:
+                rank, status, payload = results.get(timeout=max(remaining, 0.1))
+            except queue.Empty:
+                raise RankFailed(
+                    f"{fn.__name__} on {world_size} ranks: no result from ranks "
+                    f"{sorted(set(range(world_size)) - set(outputs))} within {timeout:.0f}s"
+                ) from None
+            if status == "error":
+                raise RankFailed(f"{fn.__name__} failed on rank {rank} of {world_size}:\n{payload}")
+            outputs[rank] = torch.load(io.BytesIO(payload), weights_only=True)
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [outputs[rank] for rank in range(world_size)]
