@@ -10,5 +10,14 @@ engine.step()
 from .collectives import CommStats
 from .config import ZeroConfig, parse_deepspeed
 from .engine import ZeroEngine, initialize
+from .init import init_weights, materialize
 
-__all__ = ["CommStats", "ZeroConfig", "ZeroEngine", "initialize", "parse_deepspeed"]
+__all__ = [
+    "CommStats",
+    "ZeroConfig",
+    "ZeroEngine",
+    "init_weights",
+    "initialize",
+    "materialize",
+    "parse_deepspeed",
+]

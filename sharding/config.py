@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -38,7 +39,8 @@ class ZeroConfig:
         consecutive parameters into buckets of this size; stage 3 reduces per block).
     overlap_comm: launch each bucket's reduction asynchronously as soon as its gradients are
         ready, overlapping the rest of backward; False reduces after backward.
-    prefetch_bucket_size: stage 3: elements of upcoming blocks gathered ahead of their use.
+    prefetch_bucket_size: stage 3: elements of upcoming blocks gathered ahead of their use; 0
+        disables prefetching.
     param_persistence_threshold: stage 3: parameters with at most this many elements stay
         whole on every rank (gathering them costs more in latency than it saves in memory).
     max_live_parameters: stage 3: upper bound on gathered elements alive at once; prefetching
@@ -68,27 +70,8 @@ class ZeroConfig:
     offload_param: str = "none"
 
     def __post_init__(self) -> None:
-        _check_choice("stage", self.stage, STAGES)
-        _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
-        _check_choice("offload_optimizer", self.offload_optimizer, OFFLOAD_DEVICES)
-        _check_choice("offload_param", self.offload_param, OFFLOAD_DEVICES)
-        for name in (
-            "reduce_bucket_size",
-            "prefetch_bucket_size",
-            "max_live_parameters",
-            "loss_scale_window",
-            "hysteresis",
-        ):
-            _check_int(name, getattr(self, name), minimum=1)
-        _check_int("param_persistence_threshold", self.param_persistence_threshold, minimum=0)
-        for name in ("overlap_comm", "reshard_after_forward"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ZeroConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        _check_number("gradient_clipping", self.gradient_clipping, minimum=0.0)
-        _check_number("initial_loss_scale", self.initial_loss_scale, minimum=0.0, inclusive=False)
-        _check_number("min_loss_scale", self.min_loss_scale, minimum=0.0, inclusive=False)
-        if self.static_loss_scale is not None:
-            _check_number("static_loss_scale", self.static_loss_scale, minimum=0.0, inclusive=False)
+        for field in fields(self):
+            _check_field(field.name, getattr(self, field.name))
         if self.min_loss_scale > self.initial_loss_scale:
             raise ValueError(
                 f"ZeroConfig.min_loss_scale ({self.min_loss_scale}) exceeds initial_loss_scale "
@@ -131,7 +114,11 @@ class ZeroConfig:
             return cls.from_deepspeed(config)
         if isinstance(config, Mapping):
             own = {f.name for f in fields(cls)}
-            if set(config) <= own:
+            # `gradient_clipping` is also a top-level DeepSpeed key: alone, it reads the same either way.
+            if set(config) & (own - {"gradient_clipping"}):
+                unknown = sorted(str(key) for key in set(config) - own)
+                if unknown:
+                    raise ValueError(f"not ZeroConfig fields: {', '.join(unknown)}")
                 return cls(**config)
             return cls.from_deepspeed(config)
         raise TypeError(f"expected a ZeroConfig, a dict or a JSON path, got {type(config).__name__}")
@@ -141,7 +128,8 @@ class ZeroConfig:
         """Parse a DeepSpeed config (dict or JSON file); logs the keys it ignores.
 
         `"auto"` values take the matching keyword from `auto` (e.g. `mixed_precision="bf16"` from
-        the launcher) or else the field's default.
+        the launcher; `initial_scale_power` too) or else the field's default; unknown keywords
+        raise TypeError.
         """
         parsed, ignored = parse_deepspeed(config, **auto)
         if ignored:
@@ -151,14 +139,16 @@ class ZeroConfig:
 
 def parse_deepspeed(config: Mapping[str, Any] | str | Path, **auto: Any) -> tuple[ZeroConfig, list[str]]:
     """(`ZeroConfig`, ignored key paths) from a DeepSpeed config dict or JSON file."""
+    source = "a DeepSpeed config"
     if isinstance(config, (str, Path)):
         path = Path(config)
+        source = f"DeepSpeed config {path}"
         try:
-            config = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise ValueError(f"{path} is not valid JSON: {error}") from error
     if not isinstance(config, Mapping):
-        raise ValueError(f"a DeepSpeed config must be a JSON object, got {type(config).__name__}")
+        raise ValueError(f"{source} must be a JSON object, got {type(config).__name__}")
     reader = _DeepSpeedReader(auto)
     values = reader.read(config)
     try:
@@ -193,16 +183,30 @@ _FP16_KEYS = {
 
 class _DeepSpeedReader:
     def __init__(self, auto: Mapping[str, Any]):
+        own = {f.name for f in fields(ZeroConfig)}
+        unknown = sorted(set(auto) - own - {"initial_scale_power"})
+        if unknown:
+            raise TypeError(f'unknown keywords for "auto" values: {", ".join(unknown)}')
+        for name, value in auto.items():
+            if name in own:
+                _check_field(name, value)
         self.auto = dict(auto)
         self.ignored: list[str] = []
+        self.enabled: list[str] = []  # the 16-bit sections enabled, after "auto" resolution
 
-    def value(self, path: str, raw: Any, field: str) -> Any:
-        if raw == "auto":
+    def resolve(self, raw: Any, field: str) -> Any:
+        if isinstance(raw, str) and raw == "auto":
             return self.auto.get(field, _default(field))
         # JSON writers (and DeepSpeed's docs) spell sizes as 5e8: integral floats are integers.
-        if isinstance(raw, float) and raw.is_integer() and isinstance(_default(field), int):
+        if isinstance(raw, float) and raw.is_integer() and type(_default(field)) is int:
             return int(raw)
         return raw
+
+    def value(self, path: str, raw: Any, field: str) -> Any:
+        """The resolved value of key `path` for `field`, checked (errors name `path`)."""
+        value = self.resolve(raw, field)
+        _check_at(path, field, value)
+        return value
 
     def read(self, config: Mapping[str, Any]) -> dict[str, Any]:
         values: dict[str, Any] = {}
@@ -217,7 +221,7 @@ class _DeepSpeedReader:
                 continue  # the engine takes any torch optimizer
             else:
                 self.ignored.append(key)
-        if config.get("bf16", {}).get("enabled") is True and config.get("fp16", {}).get("enabled") is True:
+        if len(self.enabled) > 1:
             raise ValueError("invalid DeepSpeed config: bf16.enabled and fp16.enabled are both true")
         return values
 
@@ -229,14 +233,16 @@ class _DeepSpeedReader:
                 field = _ZERO_KEYS[key]
                 values[field] = self.value(path, raw, field)
             elif key in ("offload_optimizer", "offload_param"):
-                device = _section(path, raw).get("device", "none")
-                if device not in OFFLOAD_DEVICES:
+                section = {} if raw is None else _section(path, raw)  # DeepSpeed: null = no offload
+                device = section.get("device", "none")
+                if not isinstance(device, str) or device not in OFFLOAD_DEVICES:
+                    note = " (NVMe offload is not supported)" if device == "nvme" else ""
                     raise ValueError(
-                        f"invalid DeepSpeed config: {path}.device {device!r} is not one of "
-                        f"{list(OFFLOAD_DEVICES)} (NVMe offload is not supported)"
+                        f"invalid DeepSpeed config: {path}.device must be one of "
+                        f"{list(OFFLOAD_DEVICES)}, got {device!r}{note}"
                     )
                 values[key] = device
-                self.ignored.extend(f"{path}.{k}" for k in _section(path, raw) if k != "device")
+                self.ignored.extend(f"{path}.{k}" for k in section if k != "device")
             elif key not in _ZERO_BUILT_IN:
                 self.ignored.append(path)
         return values
@@ -250,6 +256,8 @@ class _DeepSpeedReader:
                 f'invalid DeepSpeed config: {kind}.enabled must be true, false or "auto", got {enabled!r}'
             )
         values: dict[str, Any] = {"mixed_precision": kind} if enabled else {}
+        if enabled:
+            self.enabled.append(kind)
         for key, raw in section.items():
             path = f"{kind}.{key}"
             if key == "enabled":
@@ -257,12 +265,18 @@ class _DeepSpeedReader:
             if kind == "fp16" and key in _FP16_KEYS:
                 values[_FP16_KEYS[key]] = self.value(path, raw, _FP16_KEYS[key])
             elif kind == "fp16" and key == "initial_scale_power":
-                power = self.value(path, raw, "initial_scale_power")
-                values["initial_loss_scale"] = 2.0**power if isinstance(power, (int, float)) else power
+                power = self.resolve(raw, "initial_scale_power")
+                if isinstance(power, bool) or not isinstance(power, int) or not 0 <= power <= 1023:
+                    raise ValueError(
+                        f"invalid DeepSpeed config: {path} must be an integer in [0, 1023], got {power!r}"
+                    )
+                values["initial_loss_scale"] = 2.0**power
             elif kind == "fp16" and key == "loss_scale":
-                scale = self.value(path, raw, "static_loss_scale")
-                # DeepSpeed: 0 means dynamic loss scaling.
-                values["static_loss_scale"] = None if scale in (0, 0.0, None) else scale
+                scale = self.resolve(raw, "static_loss_scale")
+                if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale == 0:
+                    scale = None  # DeepSpeed: 0 means dynamic loss scaling
+                _check_at(path, "static_loss_scale", scale)
+                values["static_loss_scale"] = scale
             else:
                 self.ignored.append(path)
         return values
@@ -274,14 +288,61 @@ def _section(path: str, raw: Any) -> Mapping[str, Any]:
     return raw
 
 
+def _check_at(path: str, field: str, value: Any) -> None:
+    try:
+        _check_field(field, value)
+    except ValueError as error:
+        raise ValueError(f"invalid DeepSpeed config: {path}: {error}") from error
+
+
 def _default(field: str) -> Any:
     if field == "initial_scale_power":
         return 16
     return next(f.default for f in fields(ZeroConfig) if f.name == field)
 
 
+_CHOICES = {
+    "stage": STAGES,
+    "mixed_precision": MIXED_PRECISIONS,
+    "offload_optimizer": OFFLOAD_DEVICES,
+    "offload_param": OFFLOAD_DEVICES,
+}
+_INT_MINIMUMS = {
+    "reduce_bucket_size": 1,
+    "prefetch_bucket_size": 0,
+    "max_live_parameters": 1,
+    "loss_scale_window": 1,
+    "hysteresis": 1,
+    "param_persistence_threshold": 0,
+}
+_BOOLS = ("overlap_comm", "reshard_after_forward")
+# field → (minimum, inclusive)
+_NUMBERS = {
+    "gradient_clipping": (0.0, True),
+    "initial_loss_scale": (0.0, False),
+    "min_loss_scale": (0.0, False),
+    "static_loss_scale": (0.0, False),
+}
+
+
+def _check_field(name: str, value: Any) -> None:
+    """Raise a ValueError naming the field unless `value` is valid for it (on its own)."""
+    if name in _CHOICES:
+        _check_choice(name, value, _CHOICES[name])
+    elif name in _INT_MINIMUMS:
+        _check_int(name, value, _INT_MINIMUMS[name])
+    elif name in _BOOLS:
+        if not isinstance(value, bool):
+            raise ValueError(f"ZeroConfig.{name} must be True or False, got {value!r}")
+    elif name == "static_loss_scale" and value is None:
+        return
+    else:
+        _check_number(name, value, *_NUMBERS[name])
+
+
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed or (isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed)):
+    # Same type as well as equal: 2.0 or True is not a stage, whatever `2.0 == 2` says.
+    if isinstance(value, bool) or not any(isinstance(value, type(a)) and value == a for a in allowed):
         raise ValueError(f"ZeroConfig.{name} must be one of {list(allowed)}, got {value!r}")
 
 
@@ -292,7 +353,8 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 def _check_number(name: str, value: Any, minimum: float, inclusive: bool = True) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (isinstance(value, int) or math.isfinite(value))
     ok = ok and (value >= minimum if inclusive else value > minimum)
     if not ok:
         bound = f">= {minimum}" if inclusive else f"> {minimum}"
-        raise ValueError(f"ZeroConfig.{name} must be a number {bound}, got {value!r}")
+        raise ValueError(f"ZeroConfig.{name} must be a finite number {bound}, got {value!r}")

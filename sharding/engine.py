@@ -21,6 +21,7 @@ from .collectives import Collectives, CommStats
 from .config import ZeroConfig
 from .flat_group import FlatGroup
 from .grads import GradientReducer
+from .init import materialize
 from .loss_scaler import LossScaler
 from .optimizer import ShardedOptimizer
 from .params import ParameterScheduler
@@ -49,6 +50,9 @@ class ZeroEngine(nn.Module):
         optimizer: torch.optim.Optimizer,
         config: ZeroConfig | Mapping[str, Any] | str | Path | None = None,
         process_group: dist.ProcessGroup | None = None,
+        *,
+        device: torch.device | str | None = None,
+        init_seed: int = 0,
     ):
         super().__init__()
         self.config = ZeroConfig.coerce(config)
@@ -57,16 +61,31 @@ class ZeroEngine(nn.Module):
         _check_backend(plan.device, self.collectives)
         self.module = module
         self.compute_dtype = COMPUTE_DTYPES[self.config.mixed_precision]
-        self._sync_module_states()
+        on_meta = plan.device.type == "meta"
+        target = torch.device(device) if device is not None else plan.device
+        if on_meta and device is None:
+            target = (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
         alignment = 1
-        if plan.device.type == "cuda":
+        if target.type == "cuda":
             alignment = CUDA_ALIGNMENT_BYTES // torch.tensor([], dtype=self.compute_dtype).element_size()
         self.groups = [
-            FlatGroup(group, self.config.stage, self.compute_dtype, plan.device, self.collectives, alignment)
+            FlatGroup(group, self.config.stage, self.compute_dtype, target, self.collectives, alignment)
             for group in plan.groups
         ]
-        for group in self.groups:
-            group.build_from_params()
+        if on_meta:
+            self._materialize(init_seed, target)
+        else:
+            if target != plan.device:
+                raise ValueError(
+                    f"device={target} differs from the model's device {plan.device}; move the model"
+                )
+            self._sync_module_states()
+            for group in self.groups:
+                group.build_from_params()
         self._cast_frozen_floating_tensors()
         self.loss_scaler = LossScaler(self.config)
         self.optimizer = ShardedOptimizer(
@@ -199,6 +218,23 @@ class ZeroEngine(nn.Module):
             for tensor in [*self.module.parameters(), *self.module.buffers()]:
                 self.collectives.broadcast(tensor.data, 0)
 
+    def _materialize(self, seed: int, device: torch.device) -> None:
+        """A meta-device model: each rank builds only its shards (see [Note: seeded initialization])."""
+        where = {id(p): (group, i) for group in self.groups for i, p in enumerate(group.params)}
+        for group in self.groups:
+            group.allocate()
+
+        def keep(param: nn.Parameter, value: torch.Tensor) -> None:
+            if id(param) in where:
+                group, index = where[id(param)]
+                group.load_slot(index, value)
+            else:  # frozen: kept whole, as on every rank
+                torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=False))
+
+        materialize(self.module, seed, device, keep)
+        for group in self.groups:
+            group.finish()
+
     def _cast_frozen_floating_tensors(self) -> None:
         """Frozen parameters compute in the same dtype as the sharded ones."""
         if self.compute_dtype == torch.float32:
@@ -225,6 +261,15 @@ def initialize(
     optimizer: torch.optim.Optimizer,
     config: ZeroConfig | Mapping[str, Any] | str | Path | None = None,
     process_group: dist.ProcessGroup | None = None,
+    *,
+    device: torch.device | str | None = None,
+    init_seed: int = 0,
 ) -> ZeroEngine:
-    """Shard `model` and `optimizer` across the ranks of `process_group` (default: the world)."""
-    return ZeroEngine(model, optimizer, config, process_group)
+    """Shard `model` and `optimizer` across the ranks of `process_group` (default: the world).
+
+    A model built on the meta device is materialized shard by shard on `device` (default: the
+    current CUDA device, else the CPU), with `tnlg.sharding.init`'s per-module seeded
+    initialization from `init_seed`: the same values `init_weights(model, init_seed)` gives an
+    unsharded model, at every world size and stage.
+    """
+    return ZeroEngine(model, optimizer, config, process_group, device=device, init_seed=init_seed)

@@ -59,32 +59,41 @@ class FlatGroup:
 
     # ------------------------------------------------------------------ construction
     def build_from_params(self) -> None:
-        """Copy the parameters' current values in, then make the parameters views of the buffers.
+        """Copy the parameters' current values in, then make the parameters views of the buffers."""
+        self.allocate()
+        for index, param in enumerate(self.params):
+            self.load_slot(index, param.detach())
+        self.finish()
 
-        The master copy is taken from the original values before any cast to 16 bits.
-        """
+    def allocate(self) -> None:
         layout, dtype = self.layout, self.compute_dtype
-        for slot, param in zip(layout.slots, self.params, strict=True):
-            owned = layout.owned_range(slot, self.shard_rank)
-            if owned is not None:
-                start, end, at = owned
-                self.master[at : at + end - start].copy_(param.detach().reshape(-1)[start:end])
         if self.stage < 3:
             self.full = torch.zeros(layout.full_numel, dtype=dtype, device=self.device)
             self.unit_full = [layout.unit_view(self.full, unit) for unit in layout.units]
-            for slot, param in zip(layout.slots, self.params, strict=True):
-                layout.param_view(self.unit_full[slot.unit], slot).copy_(param.detach())
         else:
-            self.shard = self.master.to(dtype, copy=True)
             self.unit_full = [
                 torch.zeros(unit.numel, dtype=dtype, device=self.device) for unit in layout.units
             ]
-            for slot, param in zip(layout.slots, self.params, strict=True):
-                if self.persistent[slot.unit]:
-                    layout.param_view(self.unit_full[slot.unit], slot).copy_(param.detach())
+
+    def load_slot(self, index: int, value: torch.Tensor) -> None:
+        """Take parameter `index`'s full value: this rank's part into the fp32 master (before any cast
+        to 16 bits), and the whole of it where this rank keeps the full parameter."""
+        layout = self.layout
+        slot = layout.slots[index]
+        owned = layout.owned_range(slot, self.shard_rank)
+        if owned is not None:
+            start, end, at = owned
+            self.master[at : at + end - start].copy_(value.reshape(-1)[start:end])
+        if self.stage < 3 or self.persistent[slot.unit]:
+            layout.param_view(self.unit_full[slot.unit], slot).copy_(value)
+
+    def finish(self) -> None:
+        """Point the parameters at the buffers, release stage 3's gathered units, allocate gradients."""
+        if self.stage == 3:
+            self.shard = self.master.to(self.compute_dtype, copy=True)
         self._point_params_at_buffers()
         if self.stage == 3:
-            for unit in layout.units:
+            for unit in self.layout.units:
                 if not self.persistent[unit.index]:
                     self.release(unit)
         self._allocate_gradients()
@@ -93,9 +102,12 @@ class FlatGroup:
         for slot, param in zip(self.layout.slots, self.params, strict=True):
             view = self.layout.param_view(self.unit_full[slot.unit], slot)
             if param.device != view.device or param.is_meta:
-                torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
-            else:
-                param.data = view
+                # `.data` cannot change a meta parameter's device: swap in an empty real tensor first.
+                # (Swapping in the view itself would share the buffer's version counter, and every
+                # all-gather into the buffer would then invalidate what autograd saved.)
+                placeholder = torch.empty(0, dtype=view.dtype, device=view.device)
+                torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
+            param.data = view
 
     def _allocate_gradients(self) -> None:
         if self.stage <= 1:

@@ -38,6 +38,15 @@ class AwkwardModel(nn.Module):
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.head.weight = self.embed.weight
 
+    def _init_weights(self, module: nn.Module) -> None:
+        """Initialise one module's own parameters (what `tnlg.sharding.init` calls per module)."""
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm)):
+            module.reset_parameters()
+        elif isinstance(module, AwkwardBlock):
+            nn.init.normal_(module.odd, std=0.1)
+        elif isinstance(module, AwkwardModel):
+            nn.init.normal_(module.unused)
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
         for block in self.blocks:

@@ -1,0 +1,335 @@
+"""Per-rank memory estimates for ZeRO training of TNLG models, and the smallest world size that fits.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, section 5): with Ψ parameters,
+16-bit parameters and gradients (2 bytes each) and K = 12 bytes of fp32 master weights plus Adam's
+two fp32 moments per parameter, one data-parallel rank of N holds
+
+    stage 0: 2Ψ + 2Ψ + 12Ψ = 16Ψ        stage 2: 2Ψ + (2 + 12)Ψ/N
+    stage 1: 2Ψ + 2Ψ + 12Ψ/N           stage 3: (2 + 2 + 12)Ψ/N
+
+A sharded buffer holds ceil(Ψ/N) elements per rank (the engine pads its flat buffers so that every
+rank owns an equal piece), so the division is exact whenever N divides Ψ. With `mixed_precision="no"`
+parameters and gradients are fp32 and the engine still keeps a separate fp32 master copy: 4 + 4 + 4
+bytes, plus the optimizer state.
+
+On top of the model states the estimate counts activations (see `activation_bytes`) and, for stage 3,
+the blocks gathered around their use (see `_stage3_gathered_elements`). Not counted: the CUDA context,
+allocator fragmentation, the transient gradient buckets of stages 0-2, stage 3 prefetching (which
+may gather one more decoder layer, bounded by `ZeroConfig.max_live_parameters`) and alignment padding.
+
+CPU offload is estimated as DeepSpeed's ZeRO-Offload places it; tnlg's engine does not implement
+offload yet (`plan_sharding` rejects it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tnlg.modeling import TNLGConfig
+from tnlg.sharding.config import MIXED_PRECISIONS, OFFLOAD_DEVICES, STAGES, ZeroConfig
+
+logger = logging.getLogger(__name__)
+
+# Bytes of optimizer state per fp32 master element (torch.optim's fp32 state tensors).
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0}
+FP32_BYTES = 4
+# The engine's default: parameters with at most this many elements stay whole on every rank in stage 3.
+DEFAULT_PERSISTENCE_THRESHOLD = ZeroConfig().param_persistence_threshold
+GB = 10**9  # the ZeRO paper's figures (31.4GB, 16.6GB, ...) are decimal gigabytes
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one data-parallel rank holds during a training step, and the setup they were estimated for.
+
+    `params`, `grads`, `master` and `optimizer_state` are the rank's model states (the 16-bit or fp32
+    compute copy, its gradients, the fp32 master weights and e.g. Adam's moments), wherever they
+    live. `gathered` is stage 3's working set of whole blocks, `activations` what forward keeps for
+    backward. `device_bytes` and `cpu_bytes` split the total by the offload settings.
+    """
+
+    num_parameters: int
+    world_size: int
+    stage: int
+    mixed_precision: str
+    offload_optimizer: str
+    offload_param: str
+    params: int
+    grads: int
+    master: int
+    optimizer_state: int
+    gathered: int = 0
+    activations: int = 0
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.master + self.optimizer_state
+
+    @property
+    def cpu_bytes(self) -> int:
+        offloaded = self.master + self.optimizer_state if self.offload_optimizer == "cpu" else 0
+        return offloaded + (self.params if self.offload_param == "cpu" else 0)
+
+    @property
+    def device_bytes(self) -> int:
+        return self.model_states + self.gathered + self.activations - self.cpu_bytes
+
+
+def model_state_estimate(
+    num_parameters: int,
+    *,
+    world_size: int,
+    stage: int,
+    mixed_precision: str = "bf16",
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
+    optimizer: str = "adamw",
+) -> MemoryEstimate:
+    """The ZeRO paper's per-rank model states for `num_parameters` parameters (no activations)."""
+    _check_positive_int("num_parameters", num_parameters)
+    _check_positive_int("world_size", world_size)
+    _check_choice("stage", stage, STAGES)
+    _check_choice("mixed_precision", mixed_precision, MIXED_PRECISIONS)
+    _check_choice("offload_optimizer", offload_optimizer, OFFLOAD_DEVICES)
+    _check_choice("offload_param", offload_param, OFFLOAD_DEVICES)
+    _check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
+    # The same constraints as ZeroConfig: only what is partitioned can be offloaded.
+    if offload_optimizer != "none" and stage == 0:
+        raise ValueError("offload_optimizer needs stage 1, 2 or 3 (stage 0 partitions nothing)")
+    if offload_param != "none" and stage != 3:
+        raise ValueError(f"offload_param needs stage 3 (parameters are partitioned only there), got {stage}")
+
+    compute = _compute_bytes(mixed_precision)
+    whole = num_parameters
+    shard = math.ceil(num_parameters / world_size)
+    optimizer_elements = whole if stage == 0 else shard  # stage >= 1 partitions master + optimizer
+    return MemoryEstimate(
+        num_parameters=num_parameters,
+        world_size=world_size,
+        stage=stage,
+        mixed_precision=mixed_precision,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        params=compute * (shard if stage == 3 else whole),
+        grads=compute * (shard if stage >= 2 else whole),
+        master=FP32_BYTES * optimizer_elements,
+        optimizer_state=OPTIMIZER_STATE_BYTES[optimizer] * optimizer_elements,
+    )
+
+
+def estimate_memory(
+    config: TNLGConfig,
+    *,
+    world_size: int,
+    stage: int,
+    mixed_precision: str = "bf16",
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
+    micro_batch_size: int = 1,
+    seq_len: int | None = None,
+    activation_checkpointing: bool = True,
+    optimizer: str = "adamw",
+    param_persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+) -> MemoryEstimate:
+    """Per-rank bytes of model states, stage 3 gathered blocks and activations for training `config`.
+
+    `seq_len` defaults to `config.max_position_embeddings`; `micro_batch_size` is per rank. Raises
+    ValueError naming the first bad argument.
+    """
+    if not isinstance(config, TNLGConfig):
+        raise ValueError(f"config must be a TNLGConfig, got {type(config).__name__}")
+    _check_int("param_persistence_threshold", param_persistence_threshold, minimum=0)
+    states = model_state_estimate(
+        config.num_parameters(),
+        world_size=world_size,
+        stage=stage,
+        mixed_precision=mixed_precision,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        optimizer=optimizer,
+    )
+    compute = _compute_bytes(mixed_precision)
+    # Stage 3 gathers whole blocks into the compute dtype on the device, and autograd writes their
+    # whole gradients there before they are reduce-scattered into the shard: params + grads.
+    gathered = (
+        2 * compute * _stage3_gathered_elements(config, param_persistence_threshold) if stage == 3 else 0
+    )
+    activations = activation_bytes(
+        config,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        compute_bytes=compute,
+        activation_checkpointing=activation_checkpointing,
+    )
+    return replace(states, gathered=gathered, activations=activations)
+
+
+def activation_bytes(
+    config: TNLGConfig,
+    *,
+    micro_batch_size: int = 1,
+    seq_len: int | None = None,
+    compute_bytes: int = 2,
+    activation_checkpointing: bool = True,
+) -> int:
+    """Bytes of activations forward keeps for backward, after Korthikanti et al. 2022.
+
+    "Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198), eq. 1: a
+    pre-LN GPT layer stores 34·s·b·h + 5·a·s²·b bytes in 16-bit (s tokens, micro batch b, width h,
+    a heads). Spelled out per stored tensor, with I the MLP width (4h in the paper) and c the compute
+    dtype's bytes: c·(8sbh + 2sbI + 2as²b) for the 16-bit tensors (LayerNorm, QKV, Q, K, V,
+    attention-output and MLP inputs, GeLU input and output, softmax output and its dropout) plus one
+    byte per element of each dropout mask actually used (as²b attention-probability, 2sbh residual).
+    With I = 4h, c = 2 and dropout on this is exactly the paper's 34sbh + 5as²b. The as² terms assume
+    attention scores are materialised (eager attention); flash / SDPA kernels keep none of them.
+
+    Outside the layers (paper, section 4.3): the final LayerNorm and output-projection inputs (c·sbh
+    each), the fp32 logits cross-entropy keeps (4sbv) and the embedding dropout mask (sbh) if used.
+
+    With full activation checkpointing (each `TNLGBlock` is a checkpointed layer) forward keeps only
+    every layer's input, c·sbh, and backward recomputes one layer at a time, adding its activations.
+    """
+    seq_len = config.max_position_embeddings if seq_len is None else seq_len
+    _check_positive_int("micro_batch_size", micro_batch_size)
+    _check_int("seq_len", seq_len, minimum=1, maximum=config.max_position_embeddings)
+    _check_choice("compute_bytes", compute_bytes, (2, 4))
+    if not isinstance(activation_checkpointing, bool):
+        raise ValueError(f"activation_checkpointing must be True or False, got {activation_checkpointing!r}")
+
+    s, b, c = seq_len, micro_batch_size, compute_bytes
+    h, i, a, v = config.hidden_size, config.intermediate_size, config.num_attention_heads, config.vocab_size
+    sbh, scores = s * b * h, a * s * s * b
+    masks = (scores if config.attention_dropout > 0 else 0) + (2 * sbh if config.hidden_dropout > 0 else 0)
+    layer = c * (8 * sbh + 2 * s * b * i + 2 * scores) + masks
+    head = 2 * c * sbh + FP32_BYTES * s * b * v + (sbh if config.embedding_dropout > 0 else 0)
+    layers = config.num_hidden_layers
+    if activation_checkpointing:
+        return layers * c * sbh + layer + head
+    return layers * layer + head
+
+
+def _stage3_gathered_elements(config: TNLGConfig, threshold: int) -> int:
+    """Elements stage 3 holds whole on a rank at the peak: the root block, one layer, the persistent ones.
+
+    The engine (sharding/params.py) keeps the root block (embeddings, tied output layer) gathered
+    from the start of forward to the end of backward and gathers decoder layers one at a time.
+    Tensors of at most `threshold` elements (biases, LayerNorms) stay whole on every rank.
+    """
+    layer, root = _layer_tensor_sizes(config), _root_tensor_sizes(config)
+    persistent = config.num_hidden_layers * sum(n for n in layer if n <= threshold)
+    persistent += sum(n for n in root if n <= threshold)
+    return sum(n for n in root if n > threshold) + sum(n for n in layer if n > threshold) + persistent
+
+
+def _layer_tensor_sizes(config: TNLGConfig) -> list[int]:
+    """Element counts of one `TNLGBlock`'s tensors (as in `TNLGConfig.num_parameters`)."""
+    h, i = config.hidden_size, config.intermediate_size
+    layer_norm = [h, h]
+    attention = [h * 3 * h, 3 * h, h * h, h]
+    mlp = [h * i, i, i * h, h]
+    return layer_norm + attention + layer_norm + mlp
+
+
+def _root_tensor_sizes(config: TNLGConfig) -> list[int]:
+    """Element counts of the tensors outside the blocks: embeddings, final LayerNorm, untied head."""
+    h, v = config.hidden_size, config.vocab_size
+    output_layer = [] if config.tie_word_embeddings else [v * h]
+    return [v * h, config.max_position_embeddings * h, h, h, *output_layer]
+
+
+def smallest_world_size(
+    config: TNLGConfig,
+    *,
+    device_memory_bytes: int,
+    stage: int,
+    max_world_size: int = 4096,
+    **options: Any,
+) -> int | None:
+    """The smallest power-of-two world size, up to `max_world_size`, whose per-device estimate fits.
+
+    Powers of two because that is how data-parallel jobs are sized (nodes of 8 devices); since every
+    term is non-increasing in the world size, the first one that fits is the answer. None if even
+    `max_world_size` does not fit (activations do not shrink with more ranks, nor anything in stage 0).
+    `options` are `estimate_memory`'s other keyword arguments.
+    """
+    _check_positive_int("device_memory_bytes", device_memory_bytes)
+    _check_positive_int("max_world_size", max_world_size)
+    world_size = 1
+    while world_size <= max_world_size:
+        estimate = estimate_memory(config, world_size=world_size, stage=stage, **options)
+        if estimate.device_bytes <= device_memory_bytes:
+            return world_size
+        logger.debug("stage %d, world size %d: %d bytes per device", stage, world_size, estimate.device_bytes)
+        world_size *= 2
+    return None
+
+
+_COLUMNS = ("stage", "ranks", "offload", "params", "grads", "master", "optim", "gathered", "activ.", "device", "cpu")  # fmt: skip
+
+
+def format_table(rows: Sequence[MemoryEstimate]) -> str:
+    """A plain-text table of estimates, one per line, sizes in decimal GB (10^9 bytes)."""
+
+    def gb(size: int) -> str:
+        return f"{size / GB:.2f}"
+
+    def offload(row: MemoryEstimate) -> str:
+        cpu = [
+            name
+            for name, where in (("opt", row.offload_optimizer), ("param", row.offload_param))
+            if where == "cpu"
+        ]
+        return "+".join(cpu) or "-"
+
+    cells = [_COLUMNS] + [
+        (
+            str(row.stage),
+            str(row.world_size),
+            offload(row),
+            *(gb(x) for x in (row.params, row.grads, row.master, row.optimizer_state, row.gathered)),
+            *(gb(x) for x in (row.activations, row.device_bytes, row.cpu_bytes)),
+        )
+        for row in rows
+    ]
+    widths = [max(len(line[k]) for line in cells) for k in range(len(_COLUMNS))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)) for line in cells]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' -> 80·10^9, '80GiB' -> 80·2^30, '1.5TB', '4096' (bytes); case-insensitive."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"not a positive memory size like 80GB or 80GiB: {text!r}")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _compute_bytes(mixed_precision: str) -> int:
+    return FP32_BYTES if mixed_precision == "no" else 2
+
+
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+    if isinstance(value, bool) or value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    if not ok or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    _check_int(name, value, minimum=1)
