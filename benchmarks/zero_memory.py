@@ -15,6 +15,7 @@ import torch
 
 from benchmarks.common import batch, bench_model, live_tensor_bytes
 from tests.distributed import run_distributed
+from tnlg.memory import model_state_estimate
 from tnlg.sharding import ZeroConfig, initialize
 
 FORMULAS = {
@@ -54,12 +55,15 @@ def main() -> None:
                 (stage, world_size, result["psi"], result["held"], expected, result["engine"]["total"])
             )
     print(
-        "| stage | Nd | Ψ | measured bytes (live tensors) | ZeRO formula | measured / formula | engine's own count |"
+        "| stage | Nd | Ψ | measured bytes (live tensors) | ZeRO formula | measured / formula | "
+        "engine's own count | tnlg.memory estimate |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for stage, world_size, psi, held, expected, engine_total in rows:
+        estimate = model_state_estimate(psi, world_size=world_size, stage=stage, mixed_precision="bf16")
         print(
-            f"| {stage} | {world_size} | {psi:,} | {held:,} | {expected:,.0f} | {held / expected:.4f} | {engine_total:,} |"
+            f"| {stage} | {world_size} | {psi:,} | {held:,} | {expected:,.0f} | {held / expected:.4f} | "
+            f"{engine_total:,} | {estimate.model_states:,} |"
         )
 
 

@@ -75,10 +75,14 @@ class ShardedOptimizer:
             # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6) when below 1.
             factor *= min(1.0, self.gradient_clipping / (norm + 1e-6))
         for flat in self.groups:
-            gradient = torch.empty_like(flat.master)
-            for unit, piece in zip(flat.layout.units, flat.grad_pieces(), strict=True):
-                flat.layout.shard_piece(gradient, unit).copy_(piece)
-            flat.master.grad = gradient.mul_(factor)
+            if flat.shard_grad is not None and flat.shard_grad.dtype == torch.float32:
+                # fp32 gradient shard (stages 2-3 without mixed precision): already the right tensor.
+                gradient = flat.shard_grad
+            else:
+                gradient = torch.empty_like(flat.master)
+                for unit, piece in zip(flat.layout.units, flat.grad_pieces(), strict=True):
+                    flat.layout.shard_piece(gradient, unit).copy_(piece)
+            flat.master.grad = gradient.mul_(factor) if factor != 1.0 else gradient
         self.optimizer.step()
         for flat in self.groups:
             flat.master.grad = None
