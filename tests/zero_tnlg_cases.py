@@ -16,9 +16,16 @@ def debug_model() -> TNLGForCausalLM:
     return TNLGForCausalLM(TNLGConfig.from_preset("debug"))
 
 
-def train_debug_model(rank: int, world_size: int, stage: int, mixed_precision: str = "no") -> dict:
+def train_debug_model(
+    rank: int, world_size: int, stage: int, mixed_precision: str = "no", checkpointing: bool = False
+) -> dict:
     """A few AdamW steps of the debug TNLG model; returns mean losses, the consolidated state, a generation."""
     model = debug_model()
+    if checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
