@@ -38,40 +38,29 @@ def _all_configurations(rank: int, world_size: int) -> dict[str, float]:
     input_ids = batch(rank)
     times: dict[str, float] = {}
 
+    def plain_step(forward, optimizer):
+        def step():
+            forward(input_ids=input_ids, labels=input_ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return step
+
     model = bench_model()
-    optimizer = torch.optim.AdamW(model.parameters())
-
-    def local_step():
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    times["compute only (no communication)"] = _timed(local_step)
+    times["compute only (no communication)"] = _timed(
+        plain_step(model, torch.optim.AdamW(model.parameters()))
+    )
 
     model = bench_model()
     ddp = DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(model.parameters())
-
-    def ddp_step():
-        ddp(input_ids=input_ids, labels=input_ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    times["DDP"] = _timed(ddp_step)
+    times["DDP"] = _timed(plain_step(ddp, torch.optim.AdamW(model.parameters())))
 
     model = bench_model()
     mesh = init_device_mesh("cpu", (world_size,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters())
-
-    def fsdp_step():
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    times["FSDP2 (fully_shard per block)"] = _timed(fsdp_step)
+    times["FSDP2 (fully_shard per block)"] = _timed(plain_step(model, torch.optim.AdamW(model.parameters())))
 
     for stage in (1, 2, 3):
         for overlap in (True, False):

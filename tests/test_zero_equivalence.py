@@ -29,6 +29,13 @@ def clipped_reference():
     return train_reference(STEPS, clip=0.05)
 
 
+def assert_trains_like(run, reference, rel=1e-5, atol=1e-5):
+    """Per-step losses and final parameters equal the reference's."""
+    losses, state, _ = reference
+    assert run["losses"] == pytest.approx(losses, rel=rel)
+    assert_states_close(run["state"], state, atol=atol)
+
+
 def assert_states_close(state, expected, atol):
     assert state.keys() == expected.keys()
     for name, tensor in expected.items():
@@ -39,48 +46,36 @@ def assert_states_close(state, expected, atol):
 @pytest.mark.parametrize("stage", STAGES)
 def test_fp32_equals_single_process(world, reference, stage):
     _, results = world
-    losses, state, norms = reference
     run = results[("fp32", stage)]
-    assert run["losses"] == pytest.approx(losses, rel=1e-5)
-    assert run["norms"] == pytest.approx(norms, rel=1e-5)
-    assert_states_close(run["state"], state, atol=1e-5)
+    assert_trains_like(run, reference)
+    assert run["norms"] == pytest.approx(reference[2], rel=1e-5)
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_clipping_equals_clip_grad_norm(world, clipped_reference, stage):
     _, results = world
-    losses, state, norms = clipped_reference
+    norms = clipped_reference[2]
     run = results[("clip", stage)]
     assert max(norms) > 0.05  # clipping was active
     assert run["norms"] == pytest.approx(norms, rel=1e-5)
-    assert run["losses"] == pytest.approx(losses, rel=1e-5)
-    assert_states_close(run["state"], state, atol=1e-5)
+    assert_trains_like(run, clipped_reference)
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_accumulating_four_micro_steps_equals_one_batch(world, reference, stage):
     _, results = world
-    losses, state, _ = reference
-    run = results[("accumulate", stage)]
-    assert run["losses"] == pytest.approx(losses, rel=1e-5)
-    assert_states_close(run["state"], state, atol=1e-5)
+    assert_trains_like(results[("accumulate", stage)], reference)
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_without_overlap_the_result_is_the_same(world, reference, stage):
     _, results = world
-    losses, state, _ = reference
-    run = results[("no-overlap", stage)]
-    assert run["losses"] == pytest.approx(losses, rel=1e-5)
-    assert_states_close(run["state"], state, atol=1e-5)
+    assert_trains_like(results[("no-overlap", stage)], reference)
 
 
 def test_stage3_keeping_blocks_gathered_is_the_same(world, reference):
     _, results = world
-    losses, state, _ = reference
-    run = results[("keep-gathered", 3)]
-    assert run["losses"] == pytest.approx(losses, rel=1e-5)
-    assert_states_close(run["state"], state, atol=1e-5)
+    assert_trains_like(results[("keep-gathered", 3)], reference)
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -124,7 +119,4 @@ def test_ddp_equals_single_process(world, reference):
     world_size, results = world
     if world_size == 1:
         pytest.skip("DistributedDataParallel is compared on 2 and 4 ranks")
-    losses, state, _ = reference
-    run = results[("ddp", None)]
-    assert run["losses"] == pytest.approx(losses, rel=1e-5)
-    assert_states_close(run["state"], state, atol=1e-5)
+    assert_trains_like(results[("ddp", None)], reference)
