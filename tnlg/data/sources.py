@@ -1,0 +1,250 @@
+"""Reading the documents of one corpus source, one rank's share, with an exact resumable position.
+
+A source is a list of files (globs allowed): `.jsonl`, `.jsonl.zst`, `.jsonl.gz` (Pile-style: one
+JSON object per line, the text under `text_field`, the Pile's subset name under
+`meta.pile_set_name`), or `.parquet` (read through `datasets` streaming, one row per record).
+
+[Note: record sharding]
+Records (lines, rows) are numbered across the source's files in the epoch's file order; rank r of
+W reads records r, r+W, r+2W, ...: every record is read by exactly one rank per epoch, at every
+world size, and a rank decides which records are its own without parsing anyone else's. The
+position (epoch, file, record within file, records seen) is the whole state: resuming re-opens the
+file and skips to it. Each epoch visits the files in an order shuffled by (seed, epoch).
+
+Bad records (malformed JSON, a missing or non-string text field, empty text, bytes that are not
+UTF-8) are counted per source and reason, and logged with file and line; `on_bad_record="fatal"`
+raises instead. An unreadable file is always fatal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import gzip
+import io
+import json
+import logging
+import random
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zstandard
+
+logger = logging.getLogger(__name__)
+
+FORMATS = (".jsonl", ".jsonl.zst", ".jsonl.gz", ".json", ".parquet")
+BAD_RECORD_POLICIES = ("skip", "fatal")
+MAX_LOGGED_PER_SOURCE = 20  # the first bad records of a source are logged with file and line; all are counted
+
+
+class BadRecordError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceConfig:
+    """One corpus source: files, its weight in the mixture, and where its text is.
+
+    `pile_set_name` keeps only the documents of that Pile subset (`meta.pile_set_name`), so that a
+    mixture can weight the subsets of the same files, as Megatron's data blends do.
+    """
+
+    name: str
+    paths: tuple[str, ...]
+    weight: float = 1.0
+    text_field: str = "text"
+    pile_set_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("SourceConfig.name must not be empty")
+        if not self.paths:
+            raise ValueError(f"source {self.name!r}: paths must name at least one file or glob")
+        if not isinstance(self.weight, (int, float)) or self.weight <= 0:
+            raise ValueError(f"source {self.name!r}: weight must be > 0, got {self.weight!r}")
+
+    def files(self) -> list[Path]:
+        """The source's files, globs expanded, sorted; raises naming what matched nothing."""
+        found: list[Path] = []
+        for pattern in self.paths:
+            matches = sorted(glob.glob(str(pattern), recursive=True))
+            if not matches:
+                raise FileNotFoundError(f"source {self.name!r}: {pattern} matches no file")
+            found.extend(Path(m) for m in matches)
+        for path in found:
+            if not path.name.endswith(FORMATS):
+                raise ValueError(f"source {self.name!r}: {path} is not one of {list(FORMATS)}")
+        return found
+
+
+@dataclass
+class SourceStats:
+    documents: int = 0
+    skipped: Counter = field(default_factory=Counter)  # bad records: reason -> count
+    filtered: int = 0  # records of other Pile subsets
+
+
+@dataclass
+class Document:
+    text: str
+    pile_set_name: str | None
+
+
+class DocumentReader:
+    """One rank's documents of one source, endlessly (epoch after epoch), resumable exactly."""
+
+    def __init__(
+        self,
+        source: SourceConfig,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        on_bad_record: str = "skip",
+    ):
+        if on_bad_record not in BAD_RECORD_POLICIES:
+            raise ValueError(
+                f"on_bad_record must be one of {list(BAD_RECORD_POLICIES)}, got {on_bad_record!r}"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.source = source
+        self.files = source.files()
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.on_bad_record = on_bad_record
+        self.stats = SourceStats()
+        self.epoch = 0
+        self.file_index = 0  # position in this epoch's file order
+        self.record = 0  # next record (line / row) to read in the current file
+        self.seen = 0  # records of this epoch before the current file's `record`, all ranks'
+        self._logged = 0
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source.name,
+            "epoch": self.epoch,
+            "file_index": self.file_index,
+            "record": self.record,
+            "seen": self.seen,
+            "documents": self.stats.documents,
+            "skipped": dict(self.stats.skipped),
+            "filtered": self.stats.filtered,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["source"] != self.source.name:
+            raise ValueError(f"reader state is for source {state['source']!r}, not {self.source.name!r}")
+        self.epoch, self.file_index = int(state["epoch"]), int(state["file_index"])
+        self.record, self.seen = int(state["record"]), int(state["seen"])
+        self.stats = SourceStats(int(state["documents"]), Counter(state["skipped"]), int(state["filtered"]))
+
+    # ------------------------------------------------------------------ reading
+    def file_order(self, epoch: int) -> list[Path]:
+        order = list(self.files)
+        if epoch > 0:  # epoch 0 reads in sorted order; later epochs in a seeded shuffle
+            random.Random(f"{self.seed}:{self.source.name}:{epoch}").shuffle(order)
+        return order
+
+    def __iter__(self) -> Iterator[Document]:
+        while True:
+            whole_epoch = self.file_index == 0 and self.record == 0
+            produced = False
+            order = self.file_order(self.epoch)
+            while self.file_index < len(order):
+                path = order[self.file_index]
+                for document in self._read_file(path):
+                    produced = True
+                    yield document
+                self.file_index += 1
+                self.record = 0
+            if whole_epoch and not produced:
+                raise ValueError(
+                    f"source {self.source.name!r} gives rank {self.rank} of {self.world_size} no document in a whole "
+                    f"epoch ({self.seen} records, skipped: {dict(self.stats.skipped)})"
+                )
+            self.epoch += 1
+            self.file_index = 0
+            self.seen = 0
+
+    def _read_file(self, path: Path) -> Iterator[Document]:
+        records = _parquet_records(path) if path.name.endswith(".parquet") else _json_lines(path)
+        try:
+            for index, raw in enumerate(records):
+                if index < self.record:
+                    continue  # before the resumed position (already consumed)
+                mine = (self.seen + index) % self.world_size == self.rank
+                self.record = index + 1
+                if not mine:
+                    continue
+                document = self._parse(raw, path, index + 1)
+                if document is not None:
+                    self.stats.documents += 1
+                    yield document
+        except OSError as error:
+            raise OSError(f"source {self.source.name!r}: cannot read {path}: {error}") from error
+        self.seen += self.record
+
+    def _parse(self, raw: bytes | dict, path: Path, line: int) -> Document | None:
+        if isinstance(raw, bytes):
+            try:
+                text_line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return self._bad("not UTF-8", path, line)
+            if not text_line.strip():
+                return self._bad("empty line", path, line)
+            try:
+                record = json.loads(text_line)
+            except json.JSONDecodeError as error:
+                return self._bad(f"malformed JSON ({error.msg})", path, line)
+        else:
+            record = raw
+        if not isinstance(record, dict):
+            return self._bad("not a JSON object", path, line)
+        text = record.get(self.source.text_field)
+        if text is None:
+            return self._bad(f"no {self.source.text_field!r} field", path, line)
+        if not isinstance(text, str):
+            return self._bad(f"{self.source.text_field!r} is not a string", path, line)
+        if not text.strip():
+            return self._bad("empty document", path, line)
+        meta = record.get("meta")
+        subset = meta.get("pile_set_name") if isinstance(meta, dict) else None
+        subset = subset if isinstance(subset, str) else None
+        if self.source.pile_set_name is not None and subset != self.source.pile_set_name:
+            self.stats.filtered += 1
+            return None
+        return Document(text, subset)
+
+    def _bad(self, reason: str, path: Path, line: int) -> None:
+        self.stats.skipped[reason] += 1
+        message = f"source {self.source.name!r}: {path}:{line}: {reason}"
+        if self.on_bad_record == "fatal":
+            raise BadRecordError(message)
+        if self._logged < MAX_LOGGED_PER_SOURCE:
+            self._logged += 1
+            logger.warning("skipping %s", message)
+        return None
+
+
+def _json_lines(path: Path) -> Iterator[bytes]:
+    """The raw lines of a (possibly compressed) JSON-lines file, without their newline."""
+    with open(path, "rb") as raw, _decompressed(path, raw) as stream:
+        for line in stream:
+            yield line.rstrip(b"\r\n")
+
+
+def _decompressed(path: Path, raw: io.BufferedReader) -> contextlib.AbstractContextManager:
+    if path.name.endswith(".zst"):
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
+    if path.name.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw)
+    return contextlib.nullcontext(raw)
+
+
+def _parquet_records(path: Path) -> Iterator[dict]:
+    from datasets import load_dataset
+
+    yield from load_dataset("parquet", data_files=str(path), split="train", streaming=True)
