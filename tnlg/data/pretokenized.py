@@ -1,0 +1,216 @@
+"""A pre-tokenized, memory-mapped corpus format for fast pretraining, and its sampler.
+
+On disk, for a prefix P:
+- `P.bin`: every document's tokens followed by end-of-text, concatenated (uint16 when the
+  vocabulary fits, else uint32);
+- `P.idx`: int64 document start offsets into `P.bin` (one more than the documents: the end);
+- `P.json`: metadata (dtype, vocabulary size, end-of-text id, counts, the tokenizer used).
+
+Sequence i of length L is tokens[i*L : (i+1)*L]: documents are packed with no padding, read
+with random access from the memory map. `PretokenizedStream` orders the sequences of one or more
+such corpora globally (a seeded permutation per corpus and epoch, blended by weight with the same
+deterministic rule as the streaming path) and gives rank r of W the global samples r, r+W, ...:
+the position is one integer, so resuming is exact, and the global order is the same at every
+world size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+WRITE_BATCH = 256  # documents tokenized per call
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+def write_pretokenized(
+    texts: Iterable[str], tokenizer: PreTrainedTokenizerBase, prefix: str | Path, progress=None
+) -> dict[str, Any]:
+    """Tokenize `texts` into `prefix`.bin/.idx/.json (written to temporary names, renamed at the end)."""
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no eos_token_id: documents cannot be separated")
+    dtype = token_dtype(len(tokenizer))
+    offsets = [0]
+    staged = {suffix: prefix.with_name(prefix.name + suffix + ".tmp") for suffix in (".bin", ".idx", ".json")}
+    with open(staged[".bin"], "wb") as tokens_file:
+        batch: list[str] = []
+
+        def flush() -> None:
+            for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+                array = np.asarray([*ids, eos], dtype=dtype)
+                tokens_file.write(array.tobytes())
+                offsets.append(offsets[-1] + len(array))
+            if progress is not None:
+                progress.update(len(batch))
+            batch.clear()
+
+        for text in texts:
+            batch.append(text)
+            if len(batch) == WRITE_BATCH:
+                flush()
+        if batch:
+            flush()
+    np.asarray(offsets, dtype=np.int64).tofile(staged[".idx"])
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "dtype": dtype.name,
+        "vocab_size": len(tokenizer),
+        "eos_token_id": eos,
+        "documents": len(offsets) - 1,
+        "tokens": offsets[-1],
+        "tokenizer": getattr(tokenizer, "name_or_path", "") or "",
+    }
+    staged[".json"].write_text(json.dumps(meta, indent=2))
+    for suffix, path in staged.items():
+        os.replace(path, prefix.with_name(prefix.name + suffix))
+    return meta
+
+
+class PretokenizedCorpus:
+    """Random access to the `seq_len`-token sequences of one pre-tokenized corpus."""
+
+    def __init__(self, prefix: str | Path, seq_len: int):
+        self.prefix = Path(prefix)
+        meta_path = self.prefix.with_name(self.prefix.name + ".json")
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"no pre-tokenized corpus at {self.prefix} ({meta_path} is missing)")
+        self.meta = json.loads(meta_path.read_text())
+        if self.meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{meta_path}: format version {self.meta.get('format_version')}, expected {FORMAT_VERSION}"
+            )
+        bin_path = self.prefix.with_name(self.prefix.name + ".bin")
+        expected = self.meta["tokens"] * np.dtype(self.meta["dtype"]).itemsize
+        if not bin_path.is_file() or bin_path.stat().st_size != expected:
+            raise ValueError(
+                f"{bin_path} should hold {expected} bytes ({self.meta['tokens']} tokens); it is truncated or missing"
+            )
+        self.tokens = np.memmap(bin_path, dtype=np.dtype(self.meta["dtype"]), mode="r")
+        self.seq_len = seq_len
+        self.num_sequences = len(self.tokens) // seq_len
+        if self.num_sequences == 0:
+            raise ValueError(
+                f"{self.prefix} holds {len(self.tokens)} tokens, fewer than one sequence of {seq_len}"
+            )
+
+    def __len__(self) -> int:
+        return self.num_sequences
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        start = index * self.seq_len
+        return np.asarray(self.tokens[start : start + self.seq_len], dtype=np.int64)
+
+
+class PretokenizedStream(torch.utils.data.IterableDataset):
+    """Endless `{"input_ids", "labels"}` batches for one rank from weighted pre-tokenized corpora."""
+
+    def __init__(
+        self,
+        corpora: Sequence[PretokenizedCorpus],
+        weights: Sequence[float],
+        batch_size: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        super().__init__()
+        if len(corpora) != len(weights) or not corpora:
+            raise ValueError("one weight per corpus, and at least one corpus")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.corpora, self.batch_size, self.seed = list(corpora), batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        total = float(sum(weights))
+        self.shares = np.asarray([w / total for w in weights])
+        self.sample = 0  # this rank's samples taken so far: the whole position
+        self._permutations: dict[tuple[int, int], np.ndarray] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sample": self.sample, "seed": self.seed, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"data state was saved with seed {state['seed']}, this stream has seed {self.seed}"
+            )
+        if state["world_size"] != self.world_size:
+            raise ValueError(
+                f"data state was saved at world size {state['world_size']}, this stream has {self.world_size}"
+            )
+        self.sample = int(state["sample"])
+
+    def global_sample(self, index: int) -> np.ndarray:
+        """Sample `index` of the global order (the same whatever the world size)."""
+        corpus, nth = self._blend(index)
+        size = len(self.corpora[corpus])
+        epoch, within = divmod(nth, size)
+        return self.corpora[corpus][int(self._permutation(corpus, epoch, size)[within])]
+
+    def _blend(self, index: int) -> tuple[int, int]:
+        """(corpus, how many samples that corpus gave before) for global sample `index`.
+
+        The deficit rule assigns sample n to the corpus furthest below its share; the counts
+        after n samples are recomputed in closed form from the shares, so any index is O(corpora).
+        """
+        if len(self.corpora) == 1:
+            return 0, index
+        counts = self._counts_before(index)
+        deficit = self.shares * (index + 1) - counts
+        chosen = int(np.argmax(deficit))
+        return chosen, int(counts[chosen])
+
+    def _counts_before(self, index: int) -> np.ndarray:
+        # Replaying the rule is exact and cheap next to reading a sequence; memoise the last point.
+        start, counts = getattr(self, "_memo", (0, np.zeros(len(self.corpora), dtype=np.int64)))
+        if index < start:
+            start, counts = 0, np.zeros(len(self.corpora), dtype=np.int64)
+        counts = counts.copy()
+        for n in range(start, index):
+            counts[int(np.argmax(self.shares * (n + 1) - counts))] += 1
+        self._memo = (index, counts)
+        return counts
+
+    def _permutation(self, corpus: int, epoch: int, size: int) -> np.ndarray:
+        key = (corpus, epoch)
+        if key not in self._permutations:
+            self._permutations = {k: v for k, v in self._permutations.items() if k[1] >= epoch - 1}
+            self._permutations[key] = np.random.default_rng([self.seed, corpus, epoch]).permutation(size)
+        return self._permutations[key]
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            rows = []
+            for _ in range(self.batch_size):
+                rows.append(self.global_sample(self.sample * self.world_size + self.rank))
+                self.sample += 1
+            input_ids = torch.from_numpy(np.stack(rows))
+            yield {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
+def read_texts(paths: Iterable[Path]) -> Iterator[str]:
+    """Helper for tests and scripts: the texts of JSON-lines sources, in order (bad lines skipped)."""
+    from .sources import DocumentReader, SourceConfig
+
+    for path in paths:
+        reader = DocumentReader(SourceConfig(name=str(path), paths=(str(path),)))
+        for document in reader:
+            if reader.epoch > 0:
+                break
+            yield document.text
