@@ -128,6 +128,14 @@ class ZeroEngine(nn.Module):
         self.zero_grad()
         return stepped
 
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """The global gradient norm (over every rank's shard); the next `step` clips it to `max_norm`.
+
+        For `Accelerator.clip_grad_norm_`-style loops; `ZeroConfig.gradient_clipping` does the same
+        for every step without a call.
+        """
+        return self.optimizer.clip_grad_norm_(max_norm)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the engine's gradient buffers (`set_to_none` is accepted for API compatibility)."""
         for group in self.groups:

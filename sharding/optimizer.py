@@ -43,6 +43,7 @@ class ShardedOptimizer:
         optimizer.state = defaultdict(dict)
         self.global_grad_norm: float | None = None
         self.step_was_skipped = False
+        self._clip_request: tuple[float, float] | None = None  # (norm, max_norm) from clip_grad_norm_
 
     def grad_norm(self) -> float:
         """The global L2 norm of the (unscaled) gradients, over every rank's shard."""
@@ -57,13 +58,24 @@ class ShardedOptimizer:
             self.collectives.all_reduce(squares)
         return math.sqrt(squares.item()) / self.loss_scaler.scale
 
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """The global norm now; the coming step clips to `max_norm` (instead of the configured value)."""
+        if max_norm <= 0:
+            raise ValueError(f"max_norm must be positive, got {max_norm}")
+        norm = self.grad_norm()
+        self._clip_request = (norm, max_norm)
+        return norm
+
     def step(self) -> bool:
         """Update the shards (and write the 16-bit parameters back); False if the step was skipped.
 
         A non-finite gradient norm (an fp16 overflow, or a NaN in any precision) skips the step on
         every rank alike, since the norm was reduced over all of them, and lowers the loss scale.
         """
-        norm = self.grad_norm()
+        if self._clip_request is not None:
+            (norm, clip), self._clip_request = self._clip_request, None
+        else:
+            norm, clip = self.grad_norm(), self.gradient_clipping
         self.global_grad_norm = norm
         if not math.isfinite(norm):
             self.step_was_skipped = True
@@ -71,9 +83,9 @@ class ShardedOptimizer:
             return False
         # Unscaling and clipping fold into one multiply of the fp32 gradient copy.
         factor = 1.0 / self.loss_scaler.scale
-        if self.gradient_clipping > 0:
+        if clip > 0:
             # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6) when below 1.
-            factor *= min(1.0, self.gradient_clipping / (norm + 1e-6))
+            factor *= min(1.0, clip / (norm + 1e-6))
         for flat in self.groups:
             if flat.shard_grad is not None and flat.shard_grad.dtype == torch.float32:
                 # fp32 gradient shard (stages 2-3 without mixed precision): already the right tensor.

@@ -35,7 +35,11 @@ def free_port() -> int:
 
 def _worker(fn, rank, world_size, port, collective_timeout, results, args):
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:

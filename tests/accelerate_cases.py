@@ -1,0 +1,52 @@
+"""What each rank runs in the ZeroAccelerator tests: the standard Accelerate loop."""
+
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+
+from tests.zero_tnlg_cases import debug_model
+from tnlg.accelerate import ZeroAccelerator
+from tnlg.sharding import ZeroConfig
+
+STEPS, ACCUMULATION, MICRO_BATCH = 4, 2, 2
+
+
+def _loader(world_size: int):
+    generator = torch.Generator().manual_seed(5)
+    data = torch.randint(0, 512, (STEPS * ACCUMULATION * MICRO_BATCH * world_size, 24), generator=generator)
+    dataset = [{"input_ids": row, "labels": row} for row in data]
+    return torch.utils.data.DataLoader(dataset, batch_size=MICRO_BATCH, shuffle=False)
+
+
+def accelerate_loop(rank: int, world_size: int, stage: int | None, save_to: str | None = None) -> dict:
+    """Losses of the documented loop; stage None runs plain `Accelerator` (DDP)."""
+    if stage is None:
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
+    else:
+        accelerator = ZeroAccelerator(
+            zero_config=ZeroConfig(stage=stage), gradient_accumulation_steps=ACCUMULATION
+        )
+    model = debug_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    model, optimizer, loader, scheduler = accelerator.prepare(
+        model, optimizer, _loader(world_size), scheduler
+    )
+    losses, norms, lrs = [], [], []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 0.5)))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        losses.append(accelerator.reduce(loss.detach(), "mean").item())
+        lrs.append(optimizer.param_groups[0]["lr"])
+    result = {"losses": losses, "norms": norms, "lrs": lrs}
+    if save_to is not None:
+        accelerator.save_model(model, save_to, max_shard_size="100KB")
+        result["unwrapped"] = type(accelerator.unwrap_model(model)).__name__
+    return result

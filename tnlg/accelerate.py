@@ -1,0 +1,237 @@
+"""`ZeroAccelerator`: an `accelerate.Accelerator` whose model and optimizer are sharded by tnlg's ZeRO engine.
+
+The standard Accelerate loop runs unchanged:
+
+    acc = ZeroAccelerator(zero_config=ZeroConfig(stage=3), mixed_precision="bf16", gradient_accumulation_steps=4)
+    model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
+    for batch in loader:
+        with acc.accumulate(model):
+            loss = model(**batch).loss
+            acc.backward(loss)
+            if acc.sync_gradients:
+                acc.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+`prepare` hands the model and its optimizer to `tnlg.sharding.initialize` (no DDP wrapper) and
+returns the engine as the model; the optimizer comes back wrapped so that it steps only at
+accumulation boundaries, and data loaders and schedulers go through Accelerate as usual.
+Mixed precision is the engine's (16-bit parameters, fp32 master weights, its own loss scaling),
+not autocast and a GradScaler layered on top.
+
+Selecting the engine from a launch: without `zero_config`, the environment decides:
+`TNLG_ZERO_CONFIG` (a DeepSpeed-style JSON or a ZeroConfig JSON), else `TNLG_ZERO_STAGE` (with
+optional `TNLG_ZERO_GRADIENT_CLIPPING`, `TNLG_ZERO_OVERLAP_COMM`). With neither, it is exactly an
+`Accelerator`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from torch import nn
+
+from tnlg.sharding import ZeroConfig, ZeroEngine, initialize
+
+ENV_CONFIG, ENV_STAGE = "TNLG_ZERO_CONFIG", "TNLG_ZERO_STAGE"
+
+
+def zero_config_from_environment(mixed_precision: str | None = None) -> ZeroConfig | None:
+    """The ZeroConfig a launch selected through `TNLG_ZERO_*` variables, or None."""
+    path = os.environ.get(ENV_CONFIG)
+    auto = {"mixed_precision": mixed_precision} if mixed_precision else {}
+    if path:
+        return ZeroConfig.from_deepspeed(path, **auto)
+    stage = os.environ.get(ENV_STAGE)
+    if stage is None or stage.lower() in ("", "none"):
+        return None
+    fields: dict[str, Any] = {"stage": _parse_int(ENV_STAGE, stage)}
+    if "TNLG_ZERO_GRADIENT_CLIPPING" in os.environ:
+        fields["gradient_clipping"] = float(os.environ["TNLG_ZERO_GRADIENT_CLIPPING"])
+    if "TNLG_ZERO_OVERLAP_COMM" in os.environ:
+        fields["overlap_comm"] = os.environ["TNLG_ZERO_OVERLAP_COMM"].lower() in ("1", "true", "yes")
+    if mixed_precision:
+        fields["mixed_precision"] = mixed_precision
+    return ZeroConfig(**fields)
+
+
+def _parse_int(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+class EngineOptimizer(torch.optim.Optimizer):
+    """The optimizer face of a `ZeroEngine`: `step` runs the sharded step, `zero_grad` the engine's.
+
+    `param_groups` are the user's optimizer's own (rebuilt over the shards), so learning-rate
+    schedulers and logging read and turn the real knobs.
+    """
+
+    def __init__(self, engine: ZeroEngine):
+        self.engine = engine
+        self.optimizer = engine.optimizer.optimizer
+        self.defaults = self.optimizer.defaults
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError(
+                "the ZeRO engine's step takes no closure: compute the loss before calling step()"
+            )
+        self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return self.engine.step_was_skipped
+
+    def state_dict(self) -> dict:
+        raise RuntimeError("the optimizer state is sharded: save it with accelerator.save_state()")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        raise RuntimeError("the optimizer state is sharded: load it with accelerator.load_state()")
+
+
+class ZeroAccelerator(Accelerator):
+    """An `Accelerator` that shards the prepared model and optimizer with tnlg's ZeRO engine."""
+
+    def __init__(
+        self, *args: Any, zero_config: ZeroConfig | Mapping | str | Path | None = None, **kwargs: Any
+    ):
+        mixed_precision = kwargs.get("mixed_precision")
+        if zero_config is None:
+            self.zero_config = zero_config_from_environment(mixed_precision)
+        else:
+            self.zero_config = ZeroConfig.coerce(zero_config)
+            if mixed_precision and self.zero_config.mixed_precision == "no":
+                self.zero_config = self.zero_config.replace(mixed_precision=mixed_precision)
+        if self.zero_config is not None and not torch.cuda.is_available():
+            kwargs.setdefault("cpu", True)  # CPU processes on gloo
+        super().__init__(*args, **kwargs)
+        self.engines: list[ZeroEngine] = []
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None):
+        if self.zero_config is None:
+            return super().prepare(*args, device_placement=device_placement)
+        models = [i for i, a in enumerate(args) if isinstance(a, nn.Module)]
+        optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
+        if len(models) != 1 or len(optimizers) != 1:
+            raise ValueError(
+                f"ZeroAccelerator.prepare shards one model with its optimizer: got {len(models)} models and "
+                f"{len(optimizers)} optimizers"
+            )
+        model, optimizer = args[models[0]], args[optimizers[0]]
+        if not any(p.is_meta for p in model.parameters()):
+            model = model.to(self.device)
+        engine = initialize(model, optimizer, self.zero_config)
+        self.engines.append(engine)
+        self._models.append(engine)
+        wrapped_optimizer = AcceleratedOptimizer(EngineOptimizer(engine), device_placement=False, scaler=None)
+        self._optimizers.append(wrapped_optimizer)
+        prepared: list[Any] = list(args)
+        prepared[models[0]], prepared[optimizers[0]] = engine, wrapped_optimizer
+        rest = [i for i in range(len(args)) if i not in (models[0], optimizers[0])]
+        if rest:
+            others = super().prepare(*(args[i] for i in rest))
+            others = others if isinstance(others, tuple) else (others,)
+            for i, obj in zip(rest, others, strict=True):
+                prepared[i] = obj
+        return tuple(prepared) if len(prepared) > 1 else prepared[0]
+
+    def _engine_of(self, model: Any) -> ZeroEngine | None:
+        if isinstance(model, ZeroEngine):
+            return model
+        return next((e for e in self.engines if e.module is model), None)
+
+    # ------------------------------------------------------------------ training loop
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if not self.engines:
+            return super().backward(loss, **kwargs)
+        self.engines[0].backward(loss / self.gradient_accumulation_steps)
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        engine = self._engine_of(model)
+        if engine is None:
+            with super().no_sync(model):
+                yield
+            return
+        with engine.no_sync():
+            yield
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2):
+        if not self.engines:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        if norm_type != 2:
+            raise ValueError(f"the ZeRO engine clips the L2 norm; norm_type={norm_type} is not supported")
+        return torch.tensor(self.engines[0].clip_grad_norm_(max_norm))
+
+    # ------------------------------------------------------------------ models and state
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        engine = self._engine_of(model)
+        if engine is not None:
+            return engine.module
+        return super().unwrap_model(
+            model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile
+        )
+
+    def get_state_dict(self, model, unwrap: bool = True):
+        """The consolidated state dict on the main process (every process must call it)."""
+        engine = self._engine_of(model)
+        if engine is None:
+            return super().get_state_dict(model, unwrap=unwrap)
+        return engine.full_state_dict()
+
+    def save_model(
+        self,
+        model,
+        save_directory: str | Path,
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """A Transformers-style sharded safetensors model written by the main process, never a partial one."""
+        engine = self._engine_of(model)
+        if engine is None:
+            return super().save_model(model, save_directory, max_shard_size, safe_serialization)
+        state = engine.full_state_dict()  # collective: every rank takes part
+        if self.is_main_process:
+            if not state:
+                raise RuntimeError(
+                    "the consolidated state dict is empty: refusing to write a model without weights"
+                )
+            module = engine.module
+            if hasattr(module, "save_pretrained"):
+                module.save_pretrained(
+                    save_directory,
+                    state_dict=state,
+                    max_shard_size=max_shard_size,
+                    safe_serialization=safe_serialization,
+                )
+            else:
+                from safetensors.torch import save_file
+
+                Path(save_directory).mkdir(parents=True, exist_ok=True)
+                save_file(state, Path(save_directory) / "model.safetensors")
+        self.wait_for_everyone()
