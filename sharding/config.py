@@ -43,8 +43,9 @@ class ZeroConfig:
         disables prefetching.
     param_persistence_threshold: stage 3: parameters with at most this many elements stay
         whole on every rank (gathering them costs more in latency than it saves in memory).
-    max_live_parameters: stage 3: upper bound on gathered elements alive at once; prefetching
-        stops at it.
+    max_live_parameters: stage 3: prefetching never takes the gathered elements above this; the
+        block about to run is always gathered, and blocks kept for backward
+        (`reshard_after_forward=False`) are not counted against it.
     reshard_after_forward: stage 3: free gathered blocks after their forward and gather them
         again in backward (ZeRO-3); False keeps them until their backward (more memory, less
         communication).

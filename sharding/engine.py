@@ -110,6 +110,7 @@ class ZeroEngine(nn.Module):
             on_backward_end=self.scheduler.release_all if self.scheduler else None,
         )
         self.global_steps = 0
+        self._engine_backwards = 0
 
     # ------------------------------------------------------------------ the training loop
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -117,12 +118,20 @@ class ZeroEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` (times the fp16 loss scale); gradients are reduced as they are ready."""
+        self._engine_backwards += 1
         scale = self.loss_scaler.scale
         # The scaled loss is formed in fp32: a 16-bit loss times 2^16 would overflow right here.
         (loss.float() * scale if scale != 1.0 else loss).backward()
 
     def step(self) -> bool:
         """Clip, update this rank's shard, re-materialize the parameters; False if skipped (overflow)."""
+        if self.loss_scaler.scale != 1.0 and len(self.reducer.backward_passes) > self._engine_backwards:
+            raise RuntimeError(
+                "a backward pass ran without engine.backward(loss): with fp16 the loss must be scaled by the "
+                "engine, or the gradients come out divided by the loss scale"
+            )
+        self.reducer.backward_passes.clear()
+        self._engine_backwards = 0
         stepped = self.optimizer.step()
         self.global_steps += 1
         self.zero_grad()

@@ -135,6 +135,12 @@ class FlatGroup:
     def grad_pieces(self) -> list[torch.Tensor]:
         return [self.grad_piece(unit) for unit in self.layout.units]
 
+    @property
+    def grad_divisor(self) -> int:
+        """What the gradient pieces must be divided by to be means over ranks: stage 1 keeps sums
+        (see [Note: gradient reduction]), the other stages divide as each reduction completes."""
+        return self.collectives.world_size if self.stage == 1 else 1
+
     # ------------------------------------------------------------------ stage 3 gather / release
     def is_gathered(self, unit: Unit) -> bool:
         return self.unit_full[unit.index].untyped_storage().nbytes() > 0

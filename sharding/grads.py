@@ -6,11 +6,12 @@ gradient of a unit has been accumulated, the unit's reduction is launched asynch
 (`overlap_comm`), so it runs while autograd computes the remaining gradients:
 
     stage 0: all-reduce the unit's slice of the full gradient buffer, in place;
-    stage 1: reduce-scatter it in place, so this rank's piece of the buffer holds the sum;
+    stage 1: reduce-scatter it in place, so this rank's piece of the buffer holds the sum (kept as
+             a sum until the step; the rest of the buffer is zeroed);
     stages 2-3: copy the unit's gradients into a bucket, free them, reduce-scatter the bucket
              into a piece that is added to this rank's gradient shard (so micro-steps accumulate).
 
-Sums become means (divided by the world size) when a reduction completes. A callback queued on
+Sums become means (divided by the world size) when a reduction completes (stage 1: at the step). A callback queued on
 autograd's engine runs when backward ends: it reduces the units that never completed (parameters
 unused in this step, whose gradients count as zero), in unit order, identically on every rank, and
 waits for every collective. Under `no_sync` stages 0-1 skip all of this and let gradients accumulate
@@ -57,6 +58,7 @@ class GradientReducer:
         self.on_unit_reduced = on_unit_reduced
         self.on_backward_end = on_backward_end
         self.sync = True
+        self.backward_passes: set[int] = set()  # autograd runs that produced gradients since the last step
         self._where: dict[int, tuple[FlatGroup, int]] = {}
         for group in groups:
             for index, param in enumerate(group.params):
@@ -92,6 +94,7 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ hooks
     def _on_gradient(self, param: torch.Tensor) -> None:
+        self.backward_passes.add(torch._C._current_graph_task_id())
         group, index = self._where[id(param)]
         if self.stage <= 1:
             view = group.grad_view(index)
@@ -133,11 +136,19 @@ class GradientReducer:
             handle = self.collectives.all_reduce(full, async_op=True)
             self._in_flight.append(_InFlight(handle, lambda: full.div_(world)))
         elif self.stage == 1:
-            piece = group.grad_piece(unit)
-            handle = self.collectives.reduce_scatter(
-                piece, layout.unit_view(group.full_grad, unit), async_op=True
-            )
-            self._in_flight.append(_InFlight(handle, lambda: piece.div_(world)))
+            full = layout.unit_view(group.full_grad, unit)
+            handle = self.collectives.reduce_scatter(group.grad_piece(unit), full, async_op=True)
+
+            def keep_own_sum(full=full, unit=unit) -> None:
+                # This rank's piece now holds the sum over ranks; the rest of the buffer still holds
+                # this rank's unreduced gradients, which a later backward would add in again: zero it.
+                # The piece stays a sum (the step divides by the world size), so that a second
+                # backward before the step adds exactly the new gradients of every rank.
+                start, end = unit.piece_range(group.shard_rank)
+                full.narrow(0, 0, start).zero_()
+                full.narrow(0, end, unit.numel - end).zero_()
+
+            self._in_flight.append(_InFlight(handle, keep_own_sum))
         else:
             bucket = torch.empty(unit.numel, dtype=group.compute_dtype, device=group.device)
             used = 0

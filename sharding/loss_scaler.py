@@ -8,9 +8,9 @@ from .config import ZeroConfig
 class LossScaler:
     """The factor the loss is multiplied by before backward (1.0 unless fp16).
 
-    Dynamic scaling: an overflow skips the step; the scale is halved (not below `min_loss_scale`)
-    once `hysteresis` overflows have happened since the last growth; `loss_scale_window` clean
-    steps in a row double it.
+    Dynamic scaling (DeepSpeed's rule): an overflow skips the step; the first `hysteresis - 1`
+    overflows since the last growth are absorbed, every further one halves the scale (not below
+    `min_loss_scale`); `loss_scale_window` clean steps in a row double it and re-arm the hysteresis.
     """
 
     def __init__(self, config: ZeroConfig):
@@ -30,10 +30,10 @@ class LossScaler:
             return
         if overflow:
             self._clean_steps = 0
-            self._overflows_left -= 1
-            if self._overflows_left <= 0:
-                self.scale = max(self.scale / 2.0, self.min_scale)
-                self._overflows_left = self.hysteresis
+            if self._overflows_left > 1:
+                self._overflows_left -= 1  # absorbed by hysteresis
+            else:
+                self.scale = max(self.scale / 2.0, self.min_scale)  # and every further overflow halves
             return
         self._clean_steps += 1
         if self._clean_steps >= self.window:

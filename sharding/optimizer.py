@@ -41,22 +41,33 @@ class ShardedOptimizer:
         for group, flat in zip(optimizer.param_groups, groups, strict=True):
             group["params"] = [flat.master]
         optimizer.state = defaultdict(dict)
+        self._stepping = False
+        # The user's optimizer object now holds this rank's shards: stepping it directly would do
+        # nothing useful (no gradients reduced, no parameters written back), so refuse it.
+        optimizer.register_step_pre_hook(self._refuse_direct_step)
         self.global_grad_norm: float | None = None
         self.step_was_skipped = False
         self._clip_request: tuple[float, float] | None = None  # (norm, max_norm) from clip_grad_norm_
 
     def grad_norm(self) -> float:
         """The global L2 norm of the (unscaled) gradients, over every rank's shard."""
-        pieces = [piece for flat in self.groups for piece in flat.grad_pieces() if piece.numel()]
         device = self.groups[0].master.device
-        if pieces:
-            norms = torch._foreach_norm(pieces, 2, dtype=torch.float32)
-            squares = torch.stack(norms).pow(2).sum()
-        else:
-            squares = torch.zeros((), dtype=torch.float32, device=device)
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+        for flat in self.groups:
+            pieces = [piece for piece in flat.grad_pieces() if piece.numel()]
+            if pieces:
+                norms = torch._foreach_norm(pieces, 2, dtype=torch.float32)
+                squares += torch.stack(norms).pow(2).sum() / flat.grad_divisor**2
         if self.sharded:
             self.collectives.all_reduce(squares)
         return math.sqrt(squares.item()) / self.loss_scaler.scale
+
+    def _refuse_direct_step(self, optimizer, args, kwargs) -> None:
+        if not self._stepping:
+            raise RuntimeError(
+                "this optimizer is sharded by the ZeRO engine: call engine.step() (or the optimizer Accelerate "
+                "returned), not the original optimizer's step()"
+            )
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """The global norm now; the coming step clips to `max_norm` (instead of the configured value)."""
@@ -87,6 +98,7 @@ class ShardedOptimizer:
             # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6) when below 1.
             factor *= min(1.0, clip / (norm + 1e-6))
         for flat in self.groups:
+            group_factor = factor / flat.grad_divisor
             if flat.shard_grad is not None and flat.shard_grad.dtype == torch.float32:
                 # fp32 gradient shard (stages 2-3 without mixed precision): already the right tensor.
                 gradient = flat.shard_grad
@@ -94,8 +106,12 @@ class ShardedOptimizer:
                 gradient = torch.empty_like(flat.master)
                 for unit, piece in zip(flat.layout.units, flat.grad_pieces(), strict=True):
                     flat.layout.shard_piece(gradient, unit).copy_(piece)
-            flat.master.grad = gradient.mul_(factor) if factor != 1.0 else gradient
-        self.optimizer.step()
+            flat.master.grad = gradient.mul_(group_factor) if group_factor != 1.0 else gradient
+        self._stepping = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._stepping = False
         for flat in self.groups:
             flat.master.grad = None
             flat.write_back()

@@ -16,16 +16,19 @@ backward end:       release everything still gathered (unused blocks, the root)
 
 The root block stays gathered from the start of forward to the end of backward: its parameters
 are used first and last in forward and first in backward. Without gradients (evaluation,
-generation) every block is released when the root's forward returns. The order of gathers is
-the same on every rank, since it follows the same module calls.
+generation) blocks are released after their forward and when the root's forward returns, except
+those a pending backward still needs (an evaluation between a training forward and its backward).
+A block's forward re-run inside backward (activation recomputation) neither prefetches nor
+releases. A block whose outputs carry no tensor that requires grad stays gathered until backward
+ends. The order of gathers is the same on every rank, since it follows the same module calls.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from .collectives import Collectives
@@ -52,6 +55,7 @@ class Block:
         self._handles: list[object] = []
         self.units_reduced = 0
         self.backward_prepared = False
+        self.needed_by_backward = False  # a grad-enabled forward left it gathered for its backward
 
     def gather(self) -> None:
         assert self.state is BlockState.SHARDED, f"{self.name}: gather while {self.state.value}"
@@ -116,29 +120,46 @@ class ParameterScheduler:
     # ------------------------------------------------------------------ forward
     def _root_pre_forward(self, module: nn.Module, args: tuple) -> None:
         self.root.ensure_gathered()
+        if torch.is_grad_enabled():
+            self.root.needed_by_backward = True
 
     def _root_post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         if not torch.is_grad_enabled():
-            self.release_all()
+            # An evaluation forward (perhaps between a training forward and its backward): free
+            # what it gathered, but nothing a pending backward still needs.
+            for block in self.blocks:
+                if not block.needed_by_backward:
+                    block.release()
 
     def _pre_forward_hook(self, block: Block):
         def hook(module: nn.Module, args: tuple) -> None:
             block.ensure_gathered()
-            self._prefetch(self._position[id(block)], step=1)
+            if not _in_backward():  # a recomputation inside backward must not prefetch forward
+                self._prefetch(self._position[id(block)], step=1)
 
         return hook
 
     def _post_forward_hook(self, block: Block):
         def hook(module: nn.Module, args: tuple, output: object) -> None:
-            tensors = [t for t in _tensors(output) if t.requires_grad]
-            if torch.is_grad_enabled() and tensors:
-                if self.config.reshard_after_forward:
+            if _in_backward():
+                return  # activation recomputation: the block's own backward comes next
+            if not torch.is_grad_enabled():
+                if not block.needed_by_backward:
                     block.release()
-                block.backward_prepared = False
-                for tensor in tensors:
-                    tensor.register_hook(self._pre_backward_hook(block))
-            else:
+                return
+            tensors = [t for t in _tensors(output) if t.requires_grad]
+            if not tensors:
+                # No output through which backward would announce itself: keep the block until
+                # backward ends rather than risk its backward reading released parameters.
+                block.needed_by_backward = True
+                return
+            if self.config.reshard_after_forward:
                 block.release()
+            else:
+                block.needed_by_backward = True
+            block.backward_prepared = False
+            for tensor in tensors:
+                tensor.register_hook(self._pre_backward_hook(block))
 
         return hook
 
@@ -165,6 +186,7 @@ class ParameterScheduler:
             block.release()
             block.units_reduced = 0
             block.backward_prepared = False
+            block.needed_by_backward = False
 
     # ------------------------------------------------------------------ prefetch
     def _prefetch(self, position: int, step: int) -> None:
@@ -186,13 +208,11 @@ class ParameterScheduler:
         return sum(b.numel for b in self.blocks if b.state is not BlockState.SHARDED)
 
 
-def _tensors(output: object) -> Iterator[torch.Tensor]:
-    """The tensors in a module's output: a tensor, or nested tuples / lists / dicts (ModelOutput)."""
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, (tuple, list)):
-        for item in output:
-            yield from _tensors(item)
-    elif isinstance(output, dict):
-        for item in output.values():
-            yield from _tensors(item)
+def _tensors(output: object) -> list[torch.Tensor]:
+    """The tensors in a module's output, however nested (tuples, dicts, ModelOutput, ...)."""
+    return [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (e.g. recomputing a checkpoint)."""
+    return torch._C._current_graph_task_id() != -1

@@ -95,12 +95,15 @@ def plan_sharding(module: nn.Module, optimizer: torch.optim.Optimizer, config: Z
 
 
 def _find_blocks(module: nn.Module) -> list[BlockPlan]:
-    """The gather blocks: the model's `_no_split_modules` instances (outermost), else its children.
+    """The gather blocks: `_no_split_modules` instances (outermost), else the model's children.
 
-    Parameters outside every block belong to the root block (the model itself), which is
-    gathered for the whole forward (it typically holds the embeddings and the output layer).
+    `_no_split_modules` is collected from every submodule, as Transformers does, so that a wrapper
+    around a Transformers model keeps its blocks. Without any, the children with parameters are
+    blocks, looking inside `ModuleList` / `ModuleDict` containers (which are never called themselves,
+    so hooks on them would never fire). Parameters outside every block belong to the root block (the
+    model itself), gathered for the whole step: typically the embeddings and the output layer.
     """
-    no_split = set(getattr(module, "_no_split_modules", None) or [])
+    no_split = {name for m in module.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
     blocks: list[BlockPlan] = []
     if no_split:
         taken: list[str] = []
@@ -109,18 +112,32 @@ def _find_blocks(module: nn.Module) -> list[BlockPlan]:
                 blocks.append(BlockPlan(name, child))
                 taken.append(name)
     else:
-        blocks = [
-            BlockPlan(name, child) for name, child in module.named_children() if any(child.parameters())
-        ]
+        blocks = list(_child_blocks(module, prefix=""))
     blocks.append(BlockPlan("", module, is_root=True))
     return blocks
 
 
+def _child_blocks(module: nn.Module, prefix: str):
+    for name, child in module.named_children():
+        if next(child.parameters(), None) is None:
+            continue
+        qualified = f"{prefix}{name}"
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            yield from _child_blocks(child, prefix=f"{qualified}.")
+        else:
+            yield BlockPlan(qualified, child)
+
+
 def _plan_stage3_units(groups: list[GroupPlan], blocks: list[BlockPlan], config: ZeroConfig) -> None:
+    # A parameter used by two blocks (e.g. an embedding tied to an output layer in another block)
+    # belongs to the root block, which stays gathered for the whole step.
+    root = len(blocks) - 1
     owner: dict[int, int] = {}
-    for block_index, block in enumerate(blocks):
+    for block_index, block in enumerate(blocks[:-1]):
         for p in block.module.parameters():
-            owner.setdefault(id(p), block_index)  # a tied parameter belongs to the first block using it
+            owner[id(p)] = block_index if owner.get(id(p), block_index) == block_index else root
+    for p in blocks[-1].module.parameters():
+        owner.setdefault(id(p), root)
     for group in groups:
         persistent = [
             i for i, p in enumerate(group.params) if p.numel() <= config.param_persistence_threshold

@@ -81,13 +81,24 @@ def run_distributed(
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
         while len(outputs) < world_size:
             remaining = (deadline - datetime.datetime.now()).total_seconds()
-            try:
-                rank, status, payload = results.get(timeout=max(remaining, 0.1))
-            except queue.Empty:
+            if remaining <= 0:
                 raise RankFailed(
                     f"{fn.__name__} on {world_size} ranks: no result from ranks "
                     f"{sorted(set(range(world_size)) - set(outputs))} within {timeout:.0f}s"
-                ) from None
+                )
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                # A rank that died without reporting (a crash in C++, a kill) fails the run now.
+                dead = [
+                    r for r, p in enumerate(processes) if r not in outputs and p.exitcode not in (None, 0)
+                ]
+                if dead:
+                    raise RankFailed(
+                        f"{fn.__name__}: rank {dead[0]} of {world_size} died with exit code "
+                        f"{processes[dead[0]].exitcode} before reporting"
+                    ) from None
+                continue
             if status == "error":
                 raise RankFailed(f"{fn.__name__} failed on rank {rank} of {world_size}:\n{payload}")
             outputs[rank] = torch.load(io.BytesIO(payload), weights_only=True)

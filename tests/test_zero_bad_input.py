@@ -69,3 +69,22 @@ def test_every_rank_raises_the_same_error_without_hanging():
     messages = run_distributed(_initialize_with_a_bad_optimizer, 2, timeout=120, collective_timeout=20)
     assert messages[0] == messages[1]
     assert "not in the model" in messages[0]
+
+
+def test_stepping_the_original_optimizer_is_refused():
+    model = make_model()
+    optimizer = make_optimizer(model)
+    engine = initialize(model, optimizer, ZeroConfig(stage=1))
+    engine.backward(engine(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long)))
+    with pytest.raises(RuntimeError, match=r"call engine\.step\(\)"):
+        optimizer.step()
+    engine.step()  # the engine's own step still works
+
+
+def test_fp16_backward_outside_the_engine_is_refused():
+    model = make_model()
+    engine = initialize(model, make_optimizer(model), ZeroConfig(stage=2, mixed_precision="fp16"))
+    loss = engine(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
+    loss.backward()
+    with pytest.raises(RuntimeError, match=r"without engine\.backward"):
+        engine.step()

@@ -73,6 +73,21 @@ def test_without_overlap_the_result_is_the_same(world, reference, stage):
     assert_trains_like(results[("no-overlap", stage)], reference)
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_accumulating_without_no_sync_is_the_same(world, reference, stage):
+    """Two backward passes before a step, both reduced (no `no_sync`): the sums must not double."""
+    _, results = world
+    assert_trains_like(results[("accumulate-synced", stage)], reference)
+
+
+@pytest.mark.parametrize("case", ["children", "eval-between", "eval-between-kept"])
+def test_stage3_block_discovery_and_evaluation_mid_step(world, reference, case):
+    """Stage 3 on a model without `_no_split_modules` (children inside a ModuleList, a tied embedding
+    and head in different children), and with a no-grad forward between a forward and its backward."""
+    _, results = world
+    assert_trains_like(results[(case, 3)], reference)
+
+
 def test_stage3_keeping_blocks_gathered_is_the_same(world, reference):
     _, results = world
     assert_trains_like(results[("keep-gathered", 3)], reference)

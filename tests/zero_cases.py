@@ -23,8 +23,21 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def train_engine(rank: int, world_size: int, accumulation: int = 1, **config) -> dict:
+def train_engine(
+    rank: int,
+    world_size: int,
+    accumulation: int = 1,
+    use_no_sync: bool = True,
+    eval_between: bool = False,
+    blocks: str = "no_split",
+    **config,
+) -> dict:
+    """`eval_between`: a no-grad forward between each forward and its backward; `blocks="children"`:
+    the model has no `_no_split_modules`, so stage 3 gathers its children (the tied embedding and
+    head become root parameters)."""
     model = make_model()
+    if blocks == "children":
+        model._no_split_modules = []
     engine = initialize(model, make_optimizer(model), ZeroConfig(**{**SMALL, **config}))
     losses, norms, skipped, scales = [], [], [], []
     for batch in batches(STEPS):
@@ -35,8 +48,11 @@ def train_engine(rank: int, world_size: int, accumulation: int = 1, **config) ->
             zip(input_ids.chunk(accumulation), labels.chunk(accumulation), strict=True)
         ):
             last = micro == accumulation - 1
-            with contextlib.nullcontext() if last else engine.no_sync():
+            with contextlib.nullcontext() if last or not use_no_sync else engine.no_sync():
                 loss = engine(ids, lab) / accumulation
+                if eval_between:
+                    with torch.no_grad():
+                        engine(ids, lab)
                 engine.backward(loss)
             total += loss.detach()
         engine.step()
@@ -78,6 +94,14 @@ def equivalence_matrix(rank: int, world_size: int) -> dict:
         results[("accumulate", stage)] = train_engine(rank, world_size, stage=stage, accumulation=4)
         results[("bf16", stage)] = train_engine(rank, world_size, stage=stage, mixed_precision="bf16")
         results[("no-overlap", stage)] = train_engine(rank, world_size, stage=stage, overlap_comm=False)
+        results[("accumulate-synced", stage)] = train_engine(
+            rank, world_size, stage=stage, accumulation=2, use_no_sync=False
+        )
+    results[("children", 3)] = train_engine(rank, world_size, stage=3, blocks="children")
+    results[("eval-between", 3)] = train_engine(rank, world_size, stage=3, eval_between=True)
+    results[("eval-between-kept", 3)] = train_engine(
+        rank, world_size, stage=3, eval_between=True, reshard_after_forward=False
+    )
     results[("keep-gathered", 3)] = train_engine(rank, world_size, stage=3, reshard_after_forward=False)
     results[("fp16-overflow", 2)] = train_engine(
         rank, world_size, stage=2, mixed_precision="fp16", initial_loss_scale=2.0**16, hysteresis=1
