@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checkpoint import load_engine, save_engine
 from .collectives import Collectives, CommStats
 from .config import ZeroConfig
 from .flat_group import FlatGroup
@@ -208,6 +209,14 @@ class ZeroEngine(nn.Module):
             else:
                 result[name] = tensor.detach().clone().cpu()
         return result
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Every rank writes its own shard (fp32 master + optimizer state) to `directory`. Collective."""
+        save_engine(self, directory)
+
+    def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
+        """Every rank reads its own shard back (same world size, stage and layout); returns the manifest."""
+        return load_engine(self, directory)
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds, by kind: 16-bit (compute-dtype) params, grads, fp32 master, optimizer state."""
