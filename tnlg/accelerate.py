@@ -130,6 +130,7 @@ class ZeroAccelerator(Accelerator):
             kwargs.setdefault("cpu", True)  # CPU processes on gloo
         super().__init__(*args, **kwargs)
         self.engines: list[ZeroEngine] = []
+        self.init_seed = 0  # seeds the initialization of a meta-device model (see tnlg.sharding.init)
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args: Any, device_placement: list[bool] | None = None):
@@ -145,7 +146,7 @@ class ZeroAccelerator(Accelerator):
         model, optimizer = args[models[0]], args[optimizers[0]]
         if not any(p.is_meta for p in model.parameters()):
             model = model.to(self.device)
-        engine = initialize(model, optimizer, self.zero_config)
+        engine = initialize(model, optimizer, self.zero_config, init_seed=self.init_seed)
         self.engines.append(engine)
         self._models.append(engine)
         wrapped_optimizer = AcceleratedOptimizer(EngineOptimizer(engine), device_placement=False, scaler=None)

@@ -80,7 +80,9 @@ class TrainSection:
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
-    zero: dict[str, Any] = field(default_factory=lambda: {"stage": 2})  # ZeroConfig fields, or deepspeed: PATH
+    zero: dict[str, Any] = field(
+        default_factory=lambda: {"stage": 2}
+    )  # ZeroConfig fields, or deepspeed: PATH
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     train: TrainSection = field(default_factory=TrainSection)
 
@@ -137,8 +139,12 @@ def build(cls: type, raw: Any, path: str) -> Any:
     unknown = sorted(set(raw) - known)
     if unknown:
         where = f"{path}." if path else ""
-        raise ValueError(f"unknown config key {where}{unknown[0]}; {path or 'the config'} has: {sorted(known)}")
-    values = {name: _convert(hints[name], value, f"{path}.{name}" if path else name) for name, value in raw.items()}
+        raise ValueError(
+            f"unknown config key {where}{unknown[0]}; {path or 'the config'} has: {sorted(known)}"
+        )
+    values = {
+        name: _convert(hints[name], value, f"{path}.{name}" if path else name) for name, value in raw.items()
+    }
     return cls(**values)
 
 
@@ -177,6 +183,8 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
             return float(value)
         except ValueError:
             pass
-    if hint in (int, float, str, bool) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
+    if hint in (int, float, str, bool) and not (
+        isinstance(value, hint) and not (hint is int and isinstance(value, bool))
+    ):
         raise ValueError(f"{path}: expected {hint.__name__}, got {value!r}")
     return value

@@ -1,0 +1,118 @@
+"""Run-level checkpoints: the engine's shards plus everything else a resumed run needs.
+
+    ROOT/step-00000100/engine/          every rank's shard (tnlg.sharding.checkpoint)
+    ROOT/step-00000100/rank-00000.json  this rank's data position and RNG states
+    ROOT/step-00000100/scheduler.json   the learning-rate scheduler
+    ROOT/step-00000100/config.json      the run config
+    ROOT/latest                         the name of the newest complete checkpoint
+
+A checkpoint is written into a hidden staging directory and renamed into place once every rank
+has finished, then `latest` is replaced atomically: a crash mid-save leaves the previous
+checkpoint complete and selected. Only the newest `keep_last` are kept. JSON and safetensors only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LATEST = "latest"
+
+
+class RunCheckpointer:
+    def __init__(self, root: str | Path, keep_last: int, accelerator):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.root, self.keep_last, self.accelerator = Path(root), keep_last, accelerator
+
+    def save(self, step: int, engine, scheduler, data_state: dict, config: dict) -> Path:
+        """Collective: every rank writes its part; returns the checkpoint directory."""
+        accelerator, rank = self.accelerator, self.accelerator.process_index
+        name = f"step-{step:08d}"
+        staging, final = self.root / f".{name}.staging", self.root / name
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        engine.save_checkpoint(staging / "engine")
+        _write_json(
+            staging / f"rank-{rank:05d}.json", {"step": step, "data": data_state, "rng": _rng_state()}
+        )
+        if accelerator.is_main_process:
+            _write_json(staging / "scheduler.json", scheduler.state_dict())
+            _write_json(staging / "config.json", config)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            shutil.rmtree(final, ignore_errors=True)
+            staging.rename(final)
+            _write_json_atomic(self.root / LATEST, {"checkpoint": name})
+            self._prune()
+        accelerator.wait_for_everyone()
+        return final
+
+    def resolve(self, which: str) -> Path | None:
+        """`latest` (None when there is no checkpoint yet) or a checkpoint directory."""
+        if which == LATEST:
+            pointer = self.root / LATEST
+            if not pointer.is_file():
+                return None
+            return self.root / json.loads(pointer.read_text())["checkpoint"]
+        path = Path(which)
+        if not path.is_dir():
+            raise FileNotFoundError(f"no checkpoint directory at {path}")
+        return path
+
+    def load(self, which: str, engine, scheduler) -> dict[str, Any] | None:
+        path = self.resolve(which)
+        if path is None:
+            return None
+        engine.load_checkpoint(path / "engine")
+        scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
+        state = json.loads((path / f"rank-{self.accelerator.process_index:05d}.json").read_text())
+        _restore_rng(state["rng"])
+        return {"step": state["step"], "data": state["data"], "path": path}
+
+    def _prune(self) -> None:
+        checkpoints = sorted(p for p in self.root.glob("step-*") if p.is_dir())
+        for old in checkpoints[: -self.keep_last]:
+            shutil.rmtree(old)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": _jsonable(random.getstate()), "torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _write_json(path: Path, value: Any) -> None:
+    with open(path, "w") as handle:
+        json.dump(value, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _write_json_atomic(path: Path, value: Any) -> None:
+    staging = path.with_name(path.name + ".tmp")
+    _write_json(staging, value)
+    os.replace(staging, path)

@@ -1,0 +1,75 @@
+"""Run metrics: model FLOPs utilisation's denominator, and the loss curve written at the end of a run."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Dense peak FLOP/s per device for 16-bit matmuls (vendor datasheets, without sparsity).
+PEAK_16BIT_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "V100": 125e12,
+}
+
+
+def peak_flops_per_device(device: torch.device, mixed_precision: str) -> float | None:
+    """The device's peak FLOP/s for MFU, when known (CUDA GPUs in the table); None on CPUs."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_16BIT_FLOPS.items():
+        if key in name:
+            return flops if mixed_precision in ("bf16", "fp16") else flops / 2  # TF32 is half the 16-bit rate
+    logger.warning("unknown GPU %r: MFU is not reported (set train.peak_flops)", name)
+    return None
+
+
+@dataclass
+class LossCurve:
+    steps: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    perplexities: list[float] = field(default_factory=list)
+
+    def add(self, step: int, loss: float) -> None:
+        self.steps.append(step)
+        self.losses.append(loss)
+
+    def add_eval(self, step: int, perplexity: float) -> None:
+        self.eval_steps.append(step)
+        self.perplexities.append(perplexity)
+
+    def save(self, directory: Path) -> None:
+        """`loss_curve.json` always, and `loss_curve.png` (training loss and validation perplexity)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "loss_curve.json").write_text(json.dumps(self.__dict__))
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+
+        figure, axis = plt.subplots(figsize=(7, 4))
+        axis.plot(self.steps, self.losses, label="training loss")
+        axis.set_xlabel("step")
+        axis.set_ylabel("loss")
+        if self.eval_steps:
+            other = axis.twinx()
+            other.plot(
+                self.eval_steps, self.perplexities, "o-", color="tab:orange", label="validation perplexity"
+            )
+            other.set_ylabel("perplexity")
+        axis.set_title("tnlg pretraining")
+        figure.legend(loc="upper right")
+        figure.tight_layout()
+        figure.savefig(directory / "loss_curve.png", dpi=100)
+        plt.close(figure)

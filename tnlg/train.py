@@ -1,0 +1,233 @@
+"""The pretraining run shared by the scripts: build everything from a `RunConfig`, train, evaluate,
+checkpoint, resume, and save a model that `from_pretrained` loads."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from tnlg.accelerate import ZeroAccelerator
+from tnlg.checkpoint import RunCheckpointer
+from tnlg.config import DataSection, RunConfig
+from tnlg.data.corpus import cache_root, embedded_corpus
+from tnlg.data.pretokenized import read_texts
+from tnlg.data.sources import SourceConfig
+from tnlg.data.stream import StreamConfig, TokenStream
+from tnlg.data.tokenizer import load_tokenizer, train_byte_level_bpe
+from tnlg.metrics import LossCurve, peak_flops_per_device
+from tnlg.modeling import TNLGConfig, TNLGForCausalLM
+from tnlg.sharding import ZeroConfig
+
+logger = logging.getLogger(__name__)
+
+
+def default_tokenizer(vocab_size: int) -> PreTrainedTokenizerBase:
+    """A byte-level BPE of `vocab_size` tokens trained on the embedded corpus, cached after the first run."""
+    directory = cache_root() / f"tokenizer-embedded-{vocab_size}"
+    if not (directory / "tokenizer.json").is_file():
+        tokenizer = train_byte_level_bpe(read_texts(embedded_corpus().files()), vocab_size)
+        staging = directory.with_name(directory.name + f".{time.time_ns()}")
+        tokenizer.save_pretrained(staging)
+        with contextlib.suppress(OSError):  # another process finished first: keep its copy
+            staging.rename(directory)
+    return load_tokenizer(directory)
+
+
+def model_config(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> TNLGConfig:
+    overrides = dict(config.model.overrides)
+    overrides.setdefault("eos_token_id", tokenizer.eos_token_id)
+    overrides.setdefault("bos_token_id", tokenizer.eos_token_id)
+    model = TNLGConfig.from_preset(config.model.preset, **overrides)
+    if len(tokenizer) > model.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens, the model's vocabulary {model.vocab_size}"
+        )
+    if config.data.seq_len > model.max_position_embeddings:
+        raise ValueError(
+            f"data.seq_len {config.data.seq_len} exceeds the model's max_position_embeddings "
+            f"{model.max_position_embeddings}"
+        )
+    return model
+
+
+def stream_config(data: DataSection, seed: int, split: str) -> StreamConfig:
+    sections = data.sources if split == "train" else data.validation_sources
+    if sections:
+        sources = tuple(
+            SourceConfig(
+                name=s.name,
+                paths=tuple(s.paths),
+                weight=s.weight,
+                text_field=s.text_field,
+                pile_set_name=s.pile_set_name,
+            )
+            for s in sections
+        )
+    elif split == "validation" and data.sources:
+        return None
+    else:
+        sources = tuple(
+            SourceConfig(name=p.name.split(".")[0], paths=(str(p),)) for p in embedded_corpus().files(split)
+        )
+    buffer = data.shuffle_buffer if split == "train" else 1
+    return StreamConfig(
+        sources=sources,
+        seq_len=data.seq_len,
+        seed=seed,
+        shuffle_buffer=buffer,
+        on_bad_record=data.on_bad_record,
+    )
+
+
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
+    """Train per `config`; returns the losses logged (main process) and where the model was saved."""
+    train = config.train
+    zero = ZeroConfig.coerce(config.zero.get("deepspeed") if "deepspeed" in config.zero else config.zero)
+    accelerator = ZeroAccelerator(
+        zero_config=zero,
+        mixed_precision=train.mixed_precision,
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+    )
+    output = Path(train.output_dir)
+    tokenizer = (
+        default_tokenizer(TNLGConfig.from_preset(config.model.preset, **config.model.overrides).vocab_size)
+        if config.data.tokenizer == "default"
+        else load_tokenizer(config.data.tokenizer)
+    )
+    architecture = model_config(config, tokenizer)
+    with torch.device("meta"):
+        model = TNLGForCausalLM(architecture)
+    decay = [p for _, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for _, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": config.optimizer.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=config.optimizer.lr,
+        betas=tuple(config.optimizer.betas),
+        eps=config.optimizer.eps,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: warmup_cosine(
+            step, config.optimizer.warmup_steps, train.max_steps, config.optimizer.min_lr_ratio
+        ),
+    )
+    accelerator.init_seed = train.seed
+    # The scheduler is stepped here once per optimizer step (Accelerate's wrapper would step it once
+    # per process, for loops whose step counts assume one process).
+    model, optimizer = accelerator.prepare(model, optimizer)
+    engine = accelerator.engines[0]
+    rank, world = accelerator.process_index, accelerator.num_processes
+    stream = TokenStream(
+        stream_config(config.data, train.seed, "train"), tokenizer, train.micro_batch_size, rank, world
+    )
+    checkpointer = RunCheckpointer(output / "checkpoints", keep_last=train.keep_last, accelerator=accelerator)
+    start_step = 0
+    if resume is not None:
+        restored = checkpointer.load(resume, engine, scheduler)
+        if restored is not None:
+            start_step = restored["step"]
+            stream.load_state_dict(restored["data"])
+            logger.info("resumed from %s at step %d", restored["path"], start_step)
+    batches = iter(stream)
+    curve = LossCurve()
+    tokens_per_step = train.micro_batch_size * config.data.seq_len * train.gradient_accumulation_steps * world
+    flops_per_token = architecture.flops_per_token(config.data.seq_len)
+    peak = train.peak_flops or peak_flops_per_device(accelerator.device, train.mixed_precision)
+    progress = tqdm(
+        total=train.max_steps,
+        initial=start_step,
+        disable=not accelerator.is_main_process,
+        desc="pretraining",
+        dynamic_ncols=True,
+    )
+    model.train()
+    for step in range(start_step, train.max_steps):
+        started = time.perf_counter()
+        total = torch.zeros((), device=accelerator.device)
+        for _ in range(train.gradient_accumulation_steps):
+            batch = {k: v.to(accelerator.device) for k, v in next(batches).items()}
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            total += loss.detach() / train.gradient_accumulation_steps
+        scheduler.step()
+        mean_loss = accelerator.reduce(total, "mean").item()
+        seconds = time.perf_counter() - started
+        tokens_per_second = tokens_per_step / seconds
+        curve.add(step + 1, mean_loss)
+        metrics = {
+            "loss": mean_loss,
+            "lr": scheduler.get_last_lr()[0],
+            "tokens_per_s": tokens_per_second,
+            "grad_norm": engine.get_global_grad_norm(),
+            "loss_scale": engine.loss_scale,
+            "memory_mb": engine.memory_stats()["total"] / 2**20,
+        }
+        if peak:
+            metrics["mfu"] = flops_per_token * tokens_per_second / (peak * world)
+        accelerator.log(metrics, step=step + 1)
+        progress.update(1)
+        if (step + 1) % train.log_every == 0 or step == start_step:
+            progress.set_postfix({k: f"{v:.3g}" for k, v in metrics.items() if v is not None}, refresh=False)
+        if train.eval_every and (step + 1) % train.eval_every == 0:
+            perplexity = evaluate_perplexity(model, config, tokenizer, accelerator)
+            if perplexity is not None:
+                curve.add_eval(step + 1, perplexity)
+                accelerator.log({"eval_perplexity": perplexity}, step=step + 1)
+                if accelerator.is_main_process:
+                    progress.write(f"step {step + 1}: validation perplexity {perplexity:.2f}")
+        if train.save_every and (step + 1) % train.save_every == 0:
+            checkpointer.save(step + 1, engine, scheduler, stream.state_dict(), config.to_dict())
+    progress.close()
+    final = output / "model"
+    accelerator.save_model(model, final, max_shard_size="2GB")
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(final)
+        curve.save(output)
+        (output / "run_config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    accelerator.wait_for_everyone()
+    return {"losses": curve.losses, "model": str(final)}
+
+
+@torch.no_grad()
+def evaluate_perplexity(model, config: RunConfig, tokenizer, accelerator) -> float | None:
+    """exp(mean token loss) over `eval_batches` validation batches per rank (the same ones every time)."""
+    stream_settings = stream_config(config.data, config.train.seed, "validation")
+    if stream_settings is None:
+        return None
+    stream = TokenStream(
+        stream_settings,
+        tokenizer,
+        config.train.micro_batch_size,
+        accelerator.process_index,
+        accelerator.num_processes,
+    )
+    model.eval()
+    total, count = torch.zeros((), device=accelerator.device), 0
+    for batch, _ in zip(stream, range(config.train.eval_batches), strict=False):
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        total += model(**batch).loss
+        count += 1
+    model.train()
+    return math.exp(accelerator.reduce(total / count, "mean").item())
