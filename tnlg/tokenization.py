@@ -26,6 +26,15 @@ def byte_level_tokenizer(eos_token: str = END_OF_TEXT) -> PreTrainedTokenizerFas
     # use_regex=False: no word splitting is needed when every byte is its own token.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
+    return as_transformers_tokenizer(tokenizer, eos_token)
+
+
+def as_transformers_tokenizer(tokenizer: Tokenizer, eos_token: str = END_OF_TEXT) -> PreTrainedTokenizerFast:
+    """A `tokenizers` tokenizer as a Transformers one, with `eos_token` appended as the last id.
+
+    End-of-text doubles as BOS and padding, padding on the left: what a decoder-only model needs
+    for packing and for batched generation.
+    """
     tokenizer.add_special_tokens([eos_token])
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,

@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from tnlg.tokenization import END_OF_TEXT, byte_level_tokenizer
+from tnlg.tokenization import as_transformers_tokenizer, byte_level_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +37,7 @@ def train_byte_level_bpe(
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     # End-of-text last, so that it has the same id whatever the merges learned.
-    tokenizer.add_special_tokens([END_OF_TEXT])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token=END_OF_TEXT,
-        bos_token=END_OF_TEXT,
-        pad_token=END_OF_TEXT,
-        padding_side="left",
-    )
+    return as_transformers_tokenizer(tokenizer)
 
 
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
