@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tnlg.config import load_run_config
+from tnlg.modeling import TNLGConfig
+from tnlg.sharding import ZeroConfig
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -36,3 +40,45 @@ def test_sources_become_typed_sections(tmp_path):
 def test_bad_keys_and_values_are_named(overrides, message):
     with pytest.raises(ValueError, match=message):
         load_run_config(None, overrides)
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((Path(__file__).resolve().parents[1] / "configs" / "pretrain").glob("*.yaml")),
+    ids=lambda p: p.stem,
+)
+def test_every_committed_run_config_loads(path):
+    config = load_run_config(path)
+    model = TNLGConfig.from_preset(config.model.preset, **config.model.overrides)
+    assert config.data.seq_len <= model.max_position_embeddings
+    ZeroConfig.coerce(config.zero)  # valid engine settings
+
+
+def test_the_example_deepspeed_config_parses():
+    config = ZeroConfig.from_deepspeed(
+        Path(__file__).resolve().parents[1] / "configs" / "deepspeed" / "zero3-bf16.json",
+        mixed_precision="bf16",
+    )
+    assert (config.stage, config.mixed_precision, config.reduce_bucket_size) == (3, "bf16", 500_000_000)
+
+
+def test_pretokenized_corpora_feed_training(tmp_path):
+    from tnlg.data.pretokenized import PretokenizedStream, write_pretokenized
+    from tnlg.tokenization import byte_level_tokenizer
+    from tnlg.train import training_stream
+
+    write_pretokenized(["some text to train on"] * 50, byte_level_tokenizer(), tmp_path / "corpus")
+    config = load_run_config(
+        None,
+        [
+            "--data.pretokenized",
+            f"[{{prefix: {tmp_path / 'corpus'}, weight: 1}}]",
+            "--data.seq_len",
+            "16",
+            "--train.micro_batch_size",
+            "2",
+        ],
+    )
+    stream = training_stream(config, byte_level_tokenizer(), rank=0, world=1)
+    assert isinstance(stream, PretokenizedStream)
+    assert next(iter(stream))["input_ids"].shape == (2, 16)

@@ -36,10 +36,20 @@ class SourceSection:
 
 
 @dataclass(kw_only=True)
-class DataSection:
-    """`sources` empty means the embedded Python corpus; `tokenizer` "default" means a byte-level BPE
-    trained on it with the model's vocabulary size (cached)."""
+class PretokenizedSection:
+    """A corpus written by scripts/prepare_data.py (`prefix`.bin/.idx/.json) and its mixture weight."""
 
+    prefix: str
+    weight: float = 1.0
+
+
+@dataclass(kw_only=True)
+class DataSection:
+    """`pretokenized` corpora when given (the fast path for GPU runs), else streamed `sources`;
+    neither means the embedded Python corpus. `tokenizer` "default" means a byte-level BPE trained
+    on the embedded corpus with the model's vocabulary size (cached)."""
+
+    pretokenized: list[PretokenizedSection] = field(default_factory=list)
     sources: list[SourceSection] = field(default_factory=list)
     validation_sources: list[SourceSection] = field(default_factory=list)
     tokenizer: str = "default"

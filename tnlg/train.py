@@ -19,7 +19,7 @@ from tnlg.accelerate import ZeroAccelerator
 from tnlg.checkpoint import RunCheckpointer
 from tnlg.config import DataSection, RunConfig
 from tnlg.data.corpus import cache_root, embedded_corpus
-from tnlg.data.pretokenized import read_texts
+from tnlg.data.pretokenized import PretokenizedCorpus, PretokenizedStream, read_texts
 from tnlg.data.sources import SourceConfig
 from tnlg.data.stream import StreamConfig, TokenStream
 from tnlg.data.tokenizer import load_tokenizer, train_byte_level_bpe
@@ -88,6 +88,24 @@ def stream_config(data: DataSection, seed: int, split: str) -> StreamConfig:
     )
 
 
+def training_stream(config: RunConfig, tokenizer, rank: int, world: int):
+    """Pre-tokenized corpora when configured, else the streaming pipeline."""
+    data, train = config.data, config.train
+    if data.pretokenized:
+        corpora = [PretokenizedCorpus(p.prefix, data.seq_len) for p in data.pretokenized]
+        for corpus in corpora:
+            if corpus.meta["vocab_size"] > len(tokenizer):
+                raise ValueError(
+                    f"{corpus.prefix} was tokenized with {corpus.meta['vocab_size']} tokens, the tokenizer has "
+                    f"{len(tokenizer)}"
+                )
+        weights = [p.weight for p in data.pretokenized]
+        return PretokenizedStream(corpora, weights, train.micro_batch_size, train.seed, rank, world)
+    return TokenStream(
+        stream_config(data, train.seed, "train"), tokenizer, train.micro_batch_size, rank, world
+    )
+
+
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -136,9 +154,7 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
     model, optimizer = accelerator.prepare(model, optimizer)
     engine = accelerator.engines[0]
     rank, world = accelerator.process_index, accelerator.num_processes
-    stream = TokenStream(
-        stream_config(config.data, train.seed, "train"), tokenizer, train.micro_batch_size, rank, world
-    )
+    stream = training_stream(config, tokenizer, rank, world)
     checkpointer = RunCheckpointer(output / "checkpoints", keep_last=train.keep_last, accelerator=accelerator)
     start_step = 0
     if resume is not None:
