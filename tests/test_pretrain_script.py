@@ -22,32 +22,19 @@ BASELINE = REPO / "tests" / "assets" / "pretrain_debug_losses.json"
 STEPS = 8
 
 
-def launch(output: Path, cache: Path, *overrides: str) -> list[float]:
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
+def launch_command(output: Path, launch_flags: list[str], *overrides: str) -> list[str]:
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--mixed_precision", "no", "--dynamo_backend", "no", *launch_flags,
         str(REPO / "scripts" / "pretrain.py"),
-        "--train.max_steps",
-        str(STEPS),
-        "--train.eval_every",
-        "4",
-        "--train.save_every",
-        "4",
-        "--train.output_dir",
-        str(output),
-        *overrides,
-    ]
+        "--train.max_steps", str(STEPS), "--train.eval_every", "4", "--train.save_every", "4",
+        "--train.output_dir", str(output), *overrides,
+    ]  # fmt: skip
+
+
+def launch(output: Path, cache: Path, *overrides: str) -> list[float]:
     environment = {**os.environ, "TNLG_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    command = launch_command(output, ["--num_machines", "1"], *overrides)
     result = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads((output / "loss_curve.json").read_text())["losses"]
@@ -85,3 +72,64 @@ def test_a_resumed_run_continues_with_the_same_losses(run, cache, tmp_path):
     launch(tmp_path, cache, "--train.max_steps", "4")
     resumed = launch(tmp_path, cache, "--resume", "latest")
     assert resumed == pytest.approx(losses[4:], rel=1e-6)
+
+
+def test_two_single_process_nodes_train_like_one_two_process_launch(run, tmp_path, cache):
+    """The multi-node path on one machine: two launches as two "nodes" (c10d rendezvous on
+    127.0.0.1, one process each) give the single-launch 2-process baseline's losses."""
+    from tests.distributed import free_port
+
+    port = free_port()
+    environment = {**os.environ, "TNLG_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    nodes, logs = [], []
+    try:
+        for node in (0, 1):
+            node_flags = [
+                "--num_machines",
+                "2",
+                "--machine_rank",
+                str(node),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                str(port),
+                "--rdzv_backend",
+                "c10d",
+            ]
+            # Output goes to files: a pipe nobody reads while waiting for the other node could fill and block.
+            log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 (closed below, once the node exits)
+            command = launch_command(tmp_path / "run", node_flags)
+            nodes.append(
+                subprocess.Popen(command, cwd=REPO, env=environment, stdout=log, stderr=subprocess.STDOUT)
+            )
+            logs.append(log)
+            if node == 0:
+                # On one machine both nodes look local to the c10d rendezvous, and whichever binds the
+                # port first hosts it: let node 0 (the one Accelerate expects to host) bind it first.
+                _wait_for_listener(port, nodes[0])
+        for node in nodes:
+            node.wait(timeout=300)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+        for log in logs:
+            log.close()
+    for node, log in zip(nodes, logs, strict=True):
+        assert node.returncode == 0, Path(log.name).read_text()[-3000:]
+    losses = json.loads((tmp_path / "run" / "loss_curve.json").read_text())["losses"]
+    assert losses == pytest.approx(json.loads(BASELINE.read_text())["losses"], rel=1e-4)
+
+
+def _wait_for_listener(port: int, process: subprocess.Popen, timeout: float = 120.0) -> None:
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "node 0 exited before its rendezvous was up"
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listened on port {port} within {timeout:.0f}s")
