@@ -50,3 +50,48 @@ def accelerate_loop(rank: int, world_size: int, stage: int | None, save_to: str 
         accelerator.save_model(model, save_to, max_shard_size="100KB")
         result["unwrapped"] = type(accelerator.unwrap_model(model)).__name__
     return result
+
+
+def _prepared(stage: int):
+    accelerator = ZeroAccelerator(
+        zero_config=ZeroConfig(stage=stage), gradient_accumulation_steps=ACCUMULATION
+    )
+    model = debug_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    return accelerator, *accelerator.prepare(model, optimizer, _loader(2), scheduler)
+
+
+def _train(accelerator, model, optimizer, loader, scheduler) -> list[float]:
+    losses = []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        losses.append(accelerator.reduce(loss.detach(), "mean").item())
+    return losses
+
+
+def save_and_load_state(rank: int, world_size: int, stage: int, directory: str) -> dict:
+    """Uninterrupted losses, and the losses after save_state halfway and load_state into fresh objects."""
+    whole = _train(*_prepared(stage))
+    # Train the first half, save, then continue in fresh objects from the saved state.
+    accelerator, model, optimizer, loader, scheduler = _prepared(stage)
+    half = len(loader) // 2
+    for index, batch in enumerate(loader):
+        if index == half:
+            break
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    accelerator.save_state(directory)
+    accelerator, model, optimizer, loader, scheduler = _prepared(stage)
+    accelerator.load_state(directory)
+    rest = _train(accelerator, model, optimizer, accelerator.skip_first_batches(loader, half), scheduler)
+    return {"whole": whole, "rest": rest, "half": half}

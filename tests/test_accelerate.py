@@ -70,3 +70,11 @@ def test_without_a_zero_config_it_is_a_plain_accelerator(monkeypatch):
     prepared = accelerator.prepare(model)
     assert accelerator.zero_config is None and not accelerator.engines
     assert accelerator.unwrap_model(prepared) is model
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_save_state_and_load_state_continue_exactly(tmp_path, stage):
+    from tests.accelerate_cases import save_and_load_state
+
+    result = run_distributed(save_and_load_state, 2, stage, str(tmp_path / "state"))[0]
+    assert result["rest"] == pytest.approx(result["whole"][result["half"] :], rel=1e-6)

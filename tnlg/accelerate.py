@@ -27,6 +27,7 @@ optional `TNLG_ZERO_GRADIENT_CLIPPING`, `TNLG_ZERO_OVERLAP_COMM`). With neither,
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,6 +38,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
+from tnlg.checkpoint import restore_rng, rng_state, write_json
 from tnlg.sharding import ZeroConfig, ZeroEngine, initialize
 
 ENV_CONFIG, ENV_STAGE = "TNLG_ZERO_CONFIG", "TNLG_ZERO_STAGE"
@@ -204,6 +206,39 @@ class ZeroAccelerator(Accelerator):
         if engine is None:
             return super().get_state_dict(model, unwrap=unwrap)
         return engine.full_state_dict()
+
+    def save_state(
+        self, output_dir: str | Path | None = None, safe_serialization: bool = True, **kwargs: Any
+    ):
+        """Every rank writes its engine shard and RNG states; the main process the schedulers and the
+        objects registered with `register_for_checkpointing`. JSON and safetensors, no pickles."""
+        if not self.engines:
+            return super().save_state(output_dir, safe_serialization, **kwargs)
+        if output_dir is None:
+            raise ValueError("ZeroAccelerator.save_state needs an output_dir")
+        directory = Path(output_dir)
+        self.engines[0].save_checkpoint(directory / "engine")  # collective; creates the directory
+        write_json(directory / f"rng-rank-{self.process_index:05d}.json", rng_state())
+        if self.is_main_process:
+            for index, scheduler in enumerate(self._schedulers):
+                write_json(directory / f"scheduler-{index}.json", scheduler.state_dict())
+            for index, obj in enumerate(self._custom_objects):
+                write_json(directory / f"custom-{index}.json", obj.state_dict())
+        self.wait_for_everyone()
+        return str(directory)
+
+    def load_state(self, input_dir: str | Path | None = None, **kwargs: Any) -> None:
+        if not self.engines:
+            return super().load_state(input_dir, **kwargs)
+        if input_dir is None:
+            raise ValueError("ZeroAccelerator.load_state needs an input_dir")
+        directory = Path(input_dir)
+        self.engines[0].load_checkpoint(directory / "engine")
+        for index, scheduler in enumerate(self._schedulers):
+            scheduler.load_state_dict(json.loads((directory / f"scheduler-{index}.json").read_text()))
+        for index, obj in enumerate(self._custom_objects):
+            obj.load_state_dict(json.loads((directory / f"custom-{index}.json").read_text()))
+        restore_rng(json.loads((directory / f"rng-rank-{self.process_index:05d}.json").read_text()))
 
     def save_model(
         self,

@@ -41,17 +41,15 @@ class RunCheckpointer:
             staging.mkdir(parents=True)
         accelerator.wait_for_everyone()
         engine.save_checkpoint(staging / "engine")
-        _write_json(
-            staging / f"rank-{rank:05d}.json", {"step": step, "data": data_state, "rng": _rng_state()}
-        )
+        write_json(staging / f"rank-{rank:05d}.json", {"step": step, "data": data_state, "rng": rng_state()})
         if accelerator.is_main_process:
-            _write_json(staging / "scheduler.json", scheduler.state_dict())
-            _write_json(staging / "config.json", config)
+            write_json(staging / "scheduler.json", scheduler.state_dict())
+            write_json(staging / "config.json", config)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             shutil.rmtree(final, ignore_errors=True)
             staging.rename(final)
-            _write_json_atomic(self.root / LATEST, {"checkpoint": name})
+            write_json_atomic(self.root / LATEST, {"checkpoint": name})
             self._prune()
         accelerator.wait_for_everyone()
         return final
@@ -75,7 +73,7 @@ class RunCheckpointer:
         engine.load_checkpoint(path / "engine")
         scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
         state = json.loads((path / f"rank-{self.accelerator.process_index:05d}.json").read_text())
-        _restore_rng(state["rng"])
+        restore_rng(state["rng"])
         return {"step": state["step"], "data": state["data"], "path": path}
 
     def _prune(self) -> None:
@@ -84,14 +82,14 @@ class RunCheckpointer:
             shutil.rmtree(old)
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
     state = {"python": _jsonable(random.getstate()), "torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available():
         state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return state
 
 
-def _restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
@@ -105,14 +103,14 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _write_json(path: Path, value: Any) -> None:
+def write_json(path: Path, value: Any) -> None:
     with open(path, "w") as handle:
         json.dump(value, handle)
         handle.flush()
         os.fsync(handle.fileno())
 
 
-def _write_json_atomic(path: Path, value: Any) -> None:
+def write_json_atomic(path: Path, value: Any) -> None:
     staging = path.with_name(path.name + ".tmp")
-    _write_json(staging, value)
+    write_json(staging, value)
     os.replace(staging, path)
