@@ -72,8 +72,8 @@ def stream_config(data: DataSection, seed: int, split: str) -> StreamConfig:
             )
             for s in sections
         )
-    elif split == "validation" and data.sources:
-        return None
+    elif split == "validation" and (data.sources or data.pretokenized):
+        return None  # a configured corpus without validation sources: no evaluation on unrelated text
     else:
         sources = tuple(
             SourceConfig(name=p.name.split(".")[0], paths=(str(p),)) for p in embedded_corpus().files(split)
