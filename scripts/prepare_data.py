@@ -50,15 +50,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         reader = DocumentReader(source, on_bad_record=args.on_bad_record)
         prefix = args.output.with_name(f"{args.output.name}.{subset}") if subset else args.output
-
-        def first_epoch(reader=reader):
-            for document in reader:
-                if reader.epoch > 0:
-                    return
-                yield document.text
-
         with tqdm(desc=f"tokenizing {source.name}", unit="doc") as progress:
-            meta = write_pretokenized(first_epoch(), tokenizer, prefix, progress)
+            meta = write_pretokenized(reader.first_epoch_texts(), tokenizer, prefix, progress)
         logger.info(
             "%s: %d documents, %d tokens -> %s.bin (skipped: %s)",
             source.name,

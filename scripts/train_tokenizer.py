@@ -42,8 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     reader = DocumentReader(
         SourceConfig(name="tokenizer-corpus", paths=tuple(paths), text_field=args.text_field)
     )
-    # The reader goes on epoch after epoch: stop at the first document of the second.
-    texts = (document.text for document in itertools.takewhile(lambda _: reader.epoch == 0, reader))
+    texts = reader.first_epoch_texts()
     if args.max_documents:
         texts = itertools.islice(texts, args.max_documents)
     tokenizer = train_byte_level_bpe(texts, args.vocab_size)

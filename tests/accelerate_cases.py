@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from accelerate import Accelerator
 
@@ -81,15 +83,7 @@ def save_and_load_state(rank: int, world_size: int, stage: int, directory: str) 
     # Train the first half, save, then continue in fresh objects from the saved state.
     accelerator, model, optimizer, loader, scheduler = _prepared(stage)
     half = len(loader) // 2
-    for index, batch in enumerate(loader):
-        if index == half:
-            break
-        with accelerator.accumulate(model):
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+    _train(accelerator, model, optimizer, itertools.islice(loader, half), scheduler)
     accelerator.save_state(directory)
     accelerator, model, optimizer, loader, scheduler = _prepared(stage)
     accelerator.load_state(directory)

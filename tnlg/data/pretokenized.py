@@ -209,8 +209,4 @@ def read_texts(paths: Iterable[Path]) -> Iterator[str]:
     from .sources import DocumentReader, SourceConfig
 
     for path in paths:
-        reader = DocumentReader(SourceConfig(name=str(path), paths=(str(path),)))
-        for document in reader:
-            if reader.epoch > 0:
-                break
-            yield document.text
+        yield from DocumentReader(SourceConfig(name=str(path), paths=(str(path),))).first_epoch_texts()

@@ -148,6 +148,14 @@ class DocumentReader:
             random.Random(f"{self.seed}:{self.source.name}:{epoch}").shuffle(order)
         return order
 
+    def first_epoch_texts(self) -> Iterator[str]:
+        """The texts of the current epoch only (for one-pass jobs: tokenizer training, pre-tokenizing)."""
+        epoch = self.epoch
+        for document in self:
+            if self.epoch != epoch:  # the reader has moved on: that document belongs to the next epoch
+                return
+            yield document.text
+
     def __iter__(self) -> Iterator[Document]:
         while True:
             whole_epoch = self.file_index == 0 and self.record == 0
