@@ -182,3 +182,60 @@ def test_parquet_sources_read_through_datasets(tmp_path):
     )
     assert one_epoch(reader) == ["first parquet row", "second parquet row"]
     assert reader.stats.skipped == {"empty document": 1}
+
+
+@pytest.fixture
+def dataset_directory(tmp_path):
+    """A local `datasets` dataset (a directory whose file names give the splits) and the same records
+    as one plain file."""
+    records = docs("gamma", 11, "Pile-CC")
+    (tmp_path / "gamma" / "data").mkdir(parents=True)
+    write_jsonl(tmp_path / "gamma" / "data" / "train.jsonl", records)
+    write_jsonl(tmp_path / "gamma" / "data" / "validation.jsonl", docs("held-out", 2))
+    return tmp_path / "gamma", write_jsonl(tmp_path / "gamma.jsonl", records)
+
+
+def test_a_datasets_source_reads_like_the_same_records_in_a_file(dataset_directory):
+    directory, plain = dataset_directory
+    by_name = SourceConfig(name="gamma", dataset=str(directory))
+    by_file = SourceConfig(name="gamma", paths=(str(plain),))
+    for world_size in (1, 2, 3):
+        for rank in range(world_size):
+            assert one_epoch(DocumentReader(by_name, rank, world_size)) == one_epoch(
+                DocumentReader(by_file, rank, world_size)
+            )
+    validation = SourceConfig(name="gamma", dataset=str(directory), split="validation")
+    assert one_epoch(DocumentReader(validation)) == [
+        "held-out document number 0.",
+        "held-out document number 1.",
+    ]
+
+
+def test_a_datasets_source_resumes_exactly(dataset_directory):
+    directory, _ = dataset_directory
+    source = SourceConfig(name="gamma", dataset=str(directory))
+    reader = DocumentReader(source, rank=1, world_size=2)
+    uninterrupted = [d.text for d in itertools.islice(DocumentReader(source, 1, 2), 9)]
+    first = [d.text for d in itertools.islice(reader, 4)]
+    resumed = DocumentReader(source, rank=1, world_size=2)
+    resumed.load_state_dict(json.loads(json.dumps(reader.state_dict())))
+    assert first + [d.text for d in itertools.islice(resumed, 5)] == uninterrupted  # crosses an epoch
+
+
+def test_an_unreachable_dataset_is_an_error_naming_it(dataset_directory, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(
+        datasets.config, "HF_HUB_OFFLINE", True
+    )  # no network in tests: the hub is "unreachable"
+    with pytest.raises(
+        OSError, match=r"source 'pile': cannot read someone/no-such-dataset:train: the dataset"
+    ):
+        next(iter(DocumentReader(SourceConfig(name="pile", dataset="someone/no-such-dataset"))))
+    directory, _ = dataset_directory
+    with pytest.raises(OSError, match="Bad split: test"):
+        next(iter(DocumentReader(SourceConfig(name="gamma", dataset=str(directory), split="test"))))
+    with pytest.raises(ValueError, match=r"either paths .* or dataset"):
+        SourceConfig(name="both", paths=("a.jsonl",), dataset="x")
+    with pytest.raises(ValueError, match=r"either paths .* or dataset"):
+        SourceConfig(name="neither")

@@ -62,3 +62,26 @@ def test_no_print_in_library_code():
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"
     ]
     assert not offenders, f"library code must log, not print: {offenders}"
+
+
+def test_every_package_directory_is_listed_for_a_non_editable_install():
+    """An editable install finds any subpackage; a wheel holds only the listed ones."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    directories = setuptools["package-dir"]
+    listed = set(setuptools["packages"])
+    found = set()
+    for package, directory in directories.items():
+        for module in (REPO / directory).rglob("*.py"):  # namespace packages (no __init__) count too
+            relative = module.parent.relative_to(REPO / directory).parts
+            name = ".".join((package, *relative))
+            if not any(
+                name.startswith(f"{other}.") or name == other
+                for other in directories
+                if other != package and other.startswith(f"{package}.")
+            ):
+                found.add(name)
+    assert found - listed == set(), (
+        f"package directories missing from [tool.setuptools] packages: {found - listed}"
+    )

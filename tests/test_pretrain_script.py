@@ -133,3 +133,16 @@ def _wait_for_listener(port: int, process: subprocess.Popen, timeout: float = 12
                 return
         time.sleep(0.2)
     raise TimeoutError(f"nothing listened on port {port} within {timeout:.0f}s")
+
+
+def test_the_run_is_recorded_in_tensorboard(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    output, losses = run
+    events = EventAccumulator(str(output / "logs" / "pretrain-debug"))
+    events.Reload()
+    logged = events.Scalars("loss")
+    assert [e.step for e in logged] == list(range(1, STEPS + 1))
+    assert [e.value for e in logged] == pytest.approx(losses, rel=1e-6)
+    assert [e.step for e in events.Scalars("eval_perplexity")] == [4, 8]
+    assert {"lr", "tokens_per_s", "grad_norm", "memory_mb"} <= set(events.Tags()["scalars"])

@@ -9,6 +9,7 @@ import pytest
 from tnlg.config import load_run_config
 from tnlg.modeling import TNLGConfig
 from tnlg.sharding import ZeroConfig
+from tnlg.train import stream_config
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -22,9 +23,19 @@ def test_defaults_and_overrides(tmp_path):
 
 def test_sources_become_typed_sections(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("data:\n  sources:\n    - {name: web, paths: [a.jsonl], weight: 2}\n")
-    source = load_run_config(path).data.sources[0]
-    assert (source.name, source.paths, source.weight) == ("web", ["a.jsonl"], 2.0)
+    path.write_text(
+        "data:\n  sources:\n    - {name: web, paths: [a.jsonl], weight: 2}\n"
+        "    - {name: pile, dataset: monology/pile-uncopyrighted, split: validation}\n"
+    )
+    config = load_run_config(path)
+    web, _ = config.data.sources
+    assert (web.name, web.paths, web.weight) == ("web", ["a.jsonl"], 2.0)
+    streamed = stream_config(config.data, seed=0, split="train").sources_by_name["pile"]
+    assert (streamed.dataset, streamed.split, streamed.paths) == (
+        "monology/pile-uncopyrighted",
+        "validation",
+        (),
+    )
 
 
 @pytest.mark.parametrize(

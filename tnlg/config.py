@@ -28,8 +28,14 @@ class ModelSection:
 
 @dataclass(kw_only=True)
 class SourceSection:
+    """Files (`paths`, globs allowed) or a `datasets` name (`dataset`, a hub name or a local dataset
+    directory, with `dataset_config` and `split`), never both."""
+
     name: str
-    paths: list[str]
+    paths: list[str] = field(default_factory=list)
+    dataset: str | None = None
+    dataset_config: str | None = None
+    split: str = "train"
     weight: float = 1.0
     text_field: str = "text"
     pile_set_name: str | None = None
@@ -80,10 +86,23 @@ class TrainSection:
     eval_batches: int = 8
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
-    log_every: int = 10
     seed: int = 0
     output_dir: str = "runs/pretrain"
     peak_flops: float | None = None  # per device, for MFU; detected on known GPUs
+
+
+@dataclass(kw_only=True)
+class LoggingSection:
+    """How often the progress bar shows the metrics, and the Accelerate trackers that record them.
+
+    `trackers: [auto]` means TensorBoard when it is installed, else none; `[]` means none; any
+    tracker Accelerate knows (tensorboard, wandb, mlflow, ...) can be named, and one that is not
+    installed is an error. Trackers write under `<train.output_dir>/logs/<project>`.
+    """
+
+    log_every: int = 10
+    trackers: list[str] = field(default_factory=lambda: ["auto"])
+    project: str = "tnlg"
 
 
 @dataclass(kw_only=True)
@@ -95,6 +114,7 @@ class RunConfig:
     )  # ZeroConfig fields, or deepspeed: PATH
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     train: TrainSection = field(default_factory=TrainSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

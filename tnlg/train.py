@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.tracking import get_available_trackers
+from accelerate.utils import LoggerType, ProjectConfiguration
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
@@ -66,6 +68,9 @@ def stream_config(data: DataSection, seed: int, split: str) -> StreamConfig:
             SourceConfig(
                 name=s.name,
                 paths=tuple(s.paths),
+                dataset=s.dataset,
+                dataset_config=s.dataset_config,
+                split=s.split,
                 weight=s.weight,
                 text_field=s.text_field,
                 pile_set_name=s.pile_set_name,
@@ -106,6 +111,39 @@ def training_stream(config: RunConfig, tokenizer, rank: int, world: int):
     )
 
 
+def tracker_names(requested: list[str]) -> list[str]:
+    """Accelerate tracker names for `logging.trackers`; "auto" is TensorBoard when installed."""
+    available = {str(t.value) if hasattr(t, "value") else str(t) for t in get_available_trackers()}
+    known = sorted(str(t.value) for t in LoggerType if t is not LoggerType.ALL)
+    names = []
+    for name in requested:
+        if name == "auto":
+            names.extend(["tensorboard"] if "tensorboard" in available else [])
+        elif name not in known:
+            raise ValueError(
+                f"logging.trackers: unknown tracker {name!r}; Accelerate knows {known} (or auto)"
+            )
+        elif name not in available:
+            raise ValueError(f"logging.trackers: {name!r} is not installed (pip install {name})")
+        else:
+            names.append(name)
+    return sorted(set(names))
+
+
+def flat_hyperparameters(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The run config as `section.key` scalars (trackers such as TensorBoard take no nesting)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flat_hyperparameters(value, f"{name}."))
+        elif isinstance(value, (bool, int, float, str)):
+            flat[name] = value
+        else:
+            flat[name] = json.dumps(value)
+    return flat
+
+
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -117,12 +155,15 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
     """Train per `config`; returns the losses logged (main process) and where the model was saved."""
     train = config.train
     zero = ZeroConfig.coerce(config.zero.get("deepspeed") if "deepspeed" in config.zero else config.zero)
+    output = Path(train.output_dir)
     accelerator = ZeroAccelerator(
         zero_config=zero,
         mixed_precision=train.mixed_precision,
         gradient_accumulation_steps=train.gradient_accumulation_steps,
+        log_with=tracker_names(config.logging.trackers) or None,
+        project_config=ProjectConfiguration(project_dir=str(output), logging_dir=str(output / "logs")),
     )
-    output = Path(train.output_dir)
+    accelerator.init_trackers(config.logging.project, config=flat_hyperparameters(config.to_dict()))
     tokenizer = (
         default_tokenizer(TNLGConfig.from_preset(config.model.preset, **config.model.overrides).vocab_size)
         if config.data.tokenizer == "default"
@@ -202,9 +243,9 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
         }
         if peak:
             metrics["mfu"] = flops_per_token * tokens_per_second / (peak * world)
-        accelerator.log(metrics, step=step + 1)
+        accelerator.log({k: v for k, v in metrics.items() if v is not None}, step=step + 1)
         progress.update(1)
-        if (step + 1) % train.log_every == 0 or step == start_step:
+        if (step + 1) % config.logging.log_every == 0 or step == start_step:
             progress.set_postfix({k: f"{v:.3g}" for k, v in metrics.items() if v is not None}, refresh=False)
         if train.eval_every and (step + 1) % train.eval_every == 0:
             perplexity = evaluate_perplexity(model, config, tokenizer, accelerator)
@@ -223,6 +264,7 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
         curve.save(output)
         (output / "run_config.json").write_text(json.dumps(config.to_dict(), indent=2))
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # closes the trackers (and the process group: nothing collective after it)
     return {"losses": curve.losses, "model": str(final)}
 
 

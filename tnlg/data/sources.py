@@ -3,6 +3,9 @@
 A source is a list of files (globs allowed): `.jsonl`, `.jsonl.zst`, `.jsonl.gz` (Pile-style: one
 JSON object per line, the text under `text_field`, the Pile's subset name under
 `meta.pile_set_name`), or `.parquet` (read through `datasets` streaming, one row per record).
+Instead of files, a source can name a `datasets` dataset (`dataset=`, with `dataset_config` and
+`split`): a hub name when the hub is reachable, or a local dataset directory; it is read with
+`load_dataset(..., streaming=True)`, its rows numbered in the split's order like one file's lines.
 
 [Note: record sharding]
 Records (lines, rows) are numbered across the source's files in the epoch's file order; rank r of
@@ -53,7 +56,10 @@ class SourceConfig:
     """
 
     name: str
-    paths: tuple[str, ...]
+    paths: tuple[str, ...] = ()
+    dataset: str | None = None  # a `datasets` name (hub) or local dataset directory, instead of paths
+    dataset_config: str | None = None
+    split: str = "train"
     weight: float = 1.0
     text_field: str = "text"
     pile_set_name: str | None = None
@@ -61,14 +67,20 @@ class SourceConfig:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("SourceConfig.name must not be empty")
-        if not self.paths:
-            raise ValueError(f"source {self.name!r}: paths must name at least one file or glob")
+        if bool(self.paths) == bool(self.dataset):
+            raise ValueError(
+                f"source {self.name!r}: give either paths (files or globs) or dataset (a datasets name), "
+                f"got paths={list(self.paths)} dataset={self.dataset!r}"
+            )
         if not isinstance(self.weight, (int, float)) or self.weight <= 0:
             raise ValueError(f"source {self.name!r}: weight must be > 0, got {self.weight!r}")
 
-    def files(self) -> list[Path]:
-        """The source's files, globs expanded, sorted; raises naming what matched nothing."""
-        found: list[Path] = []
+    def files(self) -> list[Path | DatasetSplit]:
+        """The source's files, globs expanded, sorted (or its one dataset split); raises naming what
+        matched nothing."""
+        if self.dataset:
+            return [DatasetSplit(self.dataset, self.dataset_config, self.split)]
+        found: list[Path | DatasetSplit] = []
         for pattern in self.paths:
             matches = sorted(glob.glob(str(pattern), recursive=True))
             if not matches:
@@ -78,6 +90,18 @@ class SourceConfig:
             if not path.name.endswith(FORMATS):
                 raise ValueError(f"source {self.name!r}: {path} is not one of {list(FORMATS)}")
         return found
+
+
+@dataclass(frozen=True)
+class DatasetSplit:
+    """One split of a `datasets` dataset, read as one stream of records."""
+
+    name: str
+    config: str | None
+    split: str
+
+    def __str__(self) -> str:
+        return f"{self.name}{f'[{self.config}]' if self.config else ''}:{self.split}"
 
 
 @dataclass
@@ -142,7 +166,7 @@ class DocumentReader:
         self.stats = SourceStats(int(state["documents"]), Counter(state["skipped"]), int(state["filtered"]))
 
     # ------------------------------------------------------------------ reading
-    def file_order(self, epoch: int) -> list[Path]:
+    def file_order(self, epoch: int) -> list[Path | DatasetSplit]:
         order = list(self.files)
         if epoch > 0:  # epoch 0 reads in sorted order; later epochs in a seeded shuffle
             random.Random(f"{self.seed}:{self.source.name}:{epoch}").shuffle(order)
@@ -177,8 +201,13 @@ class DocumentReader:
             self.file_index = 0
             self.seen = 0
 
-    def _read_file(self, path: Path) -> Iterator[Document]:
-        records = _parquet_records(path) if path.name.endswith(".parquet") else _json_lines(path)
+    def _read_file(self, path: Path | DatasetSplit) -> Iterator[Document]:
+        if isinstance(path, DatasetSplit):
+            records = _dataset_records(path)
+        elif path.name.endswith(".parquet"):
+            records = _parquet_records(path)
+        else:
+            records = _json_lines(path)
         try:
             for index, raw in enumerate(records):
                 if index < self.record:
@@ -195,7 +224,7 @@ class DocumentReader:
             raise OSError(f"source {self.source.name!r}: cannot read {path}: {error}") from error
         self.seen += self.record
 
-    def _parse(self, raw: bytes | dict, path: Path, line: int) -> Document | None:
+    def _parse(self, raw: bytes | dict, path: Path | DatasetSplit, line: int) -> Document | None:
         if isinstance(raw, bytes):
             try:
                 text_line = raw.decode("utf-8")
@@ -226,7 +255,7 @@ class DocumentReader:
             return None
         return Document(text, subset)
 
-    def _bad(self, reason: str, path: Path, line: int) -> None:
+    def _bad(self, reason: str, path: Path | DatasetSplit, line: int) -> None:
         self.stats.skipped[reason] += 1
         message = f"source {self.source.name!r}: {path}:{line}: {reason}"
         if self.on_bad_record == "fatal":
@@ -256,3 +285,14 @@ def _parquet_records(path: Path) -> Iterator[dict]:
     from datasets import load_dataset
 
     yield from load_dataset("parquet", data_files=str(path), split="train", streaming=True)
+
+
+def _dataset_records(split: DatasetSplit) -> Iterator[dict]:
+    """The rows of a `datasets` split, streamed (no download of the whole dataset first)."""
+    from datasets import load_dataset
+
+    try:
+        rows = load_dataset(split.name, split.config, split=split.split, streaming=True)
+    except Exception as error:  # datasets raises many types (offline, not found, bad config, bad split)
+        raise OSError(f"the dataset cannot be opened ({type(error).__name__}: {error})") from error
+    yield from rows

@@ -1,0 +1,21 @@
+"""Pretraining data: corpus sources (files or `datasets`), packing, mixtures, shuffling, the
+pre-tokenized format, tokenizer training, and the embedded default corpus."""
+
+from .packing import Mixture, PackedSource, ShuffleBuffer
+from .pretokenized import PretokenizedCorpus, PretokenizedStream, write_pretokenized
+from .sources import BadRecordError, DocumentReader, SourceConfig
+from .stream import StreamConfig, TokenStream
+
+__all__ = [
+    "BadRecordError",
+    "DocumentReader",
+    "Mixture",
+    "PackedSource",
+    "PretokenizedCorpus",
+    "PretokenizedStream",
+    "ShuffleBuffer",
+    "SourceConfig",
+    "StreamConfig",
+    "TokenStream",
+    "write_pretokenized",
+]
