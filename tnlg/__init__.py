@@ -20,4 +20,24 @@ def _register_with_auto_classes() -> None:
 
 _register_with_auto_classes()
 
-__all__ = ["TNLGConfig", "TNLGForCausalLM", "TNLGModel", "TNLGPreTrainedModel", "__version__"]
+# Imported on first use: Accelerate and Trainer are heavy, and `import tnlg` serves model loading too.
+_LAZY = {"ZeroAccelerator": "tnlg.accelerate", "ZeroTrainer": "tnlg.trainer"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tnlg' has no attribute {name!r}")
+
+
+__all__ = [
+    "TNLGConfig",
+    "TNLGForCausalLM",
+    "TNLGModel",
+    "TNLGPreTrainedModel",
+    "ZeroAccelerator",
+    "ZeroTrainer",
+    "__version__",
+]

@@ -115,6 +115,15 @@ class EngineOptimizer(torch.optim.Optimizer):
         raise RuntimeError("the optimizer state is sharded: load it with accelerator.load_state()")
 
 
+class AcceleratedEngineOptimizer(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper (steps only at accumulation boundaries) that reports the
+    engine's overflow skips, so `accelerator.optimizer_step_was_skipped` holds the scheduler back."""
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return self.optimizer.step_was_skipped
+
+
 class ZeroAccelerator(Accelerator):
     """An `Accelerator` that shards the prepared model and optimizer with tnlg's ZeRO engine."""
 
@@ -131,6 +140,10 @@ class ZeroAccelerator(Accelerator):
         if self.zero_config is not None and not torch.cuda.is_available():
             kwargs.setdefault("cpu", True)  # CPU processes on gloo
         super().__init__(*args, **kwargs)
+        if self.zero_config is not None:
+            self.scaler = (
+                None  # the engine scales fp16 losses itself; a GradScaler on top would be dead state
+            )
         self.engines: list[ZeroEngine] = []
         self.init_seed = 0  # seeds the initialization of a meta-device model (see tnlg.sharding.init)
 
@@ -140,6 +153,8 @@ class ZeroAccelerator(Accelerator):
             return super().prepare(*args, device_placement=device_placement)
         models = [i for i, a in enumerate(args) if isinstance(a, nn.Module)]
         optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
+        if not models and not optimizers:  # data loaders, schedulers: Accelerate's own handling
+            return super().prepare(*args, device_placement=device_placement)
         if len(models) != 1 or len(optimizers) != 1:
             raise ValueError(
                 f"ZeroAccelerator.prepare shards one model with its optimizer: got {len(models)} models and "
@@ -151,7 +166,9 @@ class ZeroAccelerator(Accelerator):
         engine = initialize(model, optimizer, self.zero_config, init_seed=self.init_seed)
         self.engines.append(engine)
         self._models.append(engine)
-        wrapped_optimizer = AcceleratedOptimizer(EngineOptimizer(engine), device_placement=False, scaler=None)
+        wrapped_optimizer = AcceleratedEngineOptimizer(
+            EngineOptimizer(engine), device_placement=False, scaler=None
+        )
         self._optimizers.append(wrapped_optimizer)
         prepared: list[Any] = list(args)
         prepared[models[0]], prepared[optimizers[0]] = engine, wrapped_optimizer

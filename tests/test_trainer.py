@@ -1,0 +1,105 @@
+"""ZeroTrainer: `transformers.Trainer` on the ZeRO engine trains like the plain Trainer (DDP), saves a
+model `from_pretrained` loads, and resumes from its checkpoints exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.trainer_cases import train
+from tnlg import TNLGForCausalLM
+
+STAGES = (0, 1, 2, 3)
+
+
+def _every_stage(rank: int, world_size: int, directory: str) -> dict:
+    runs = {"ddp": train(rank, world_size, None, f"{directory}/ddp")}
+    for stage in STAGES:
+        runs[stage] = train(rank, world_size, stage, f"{directory}/stage{stage}")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("trainer")
+    return run_distributed(_every_stage, 2, str(directory), timeout=900)[0], directory
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_losses_and_norms_equal_the_plain_trainer(runs, stage):
+    results, _ = runs
+    assert results[stage]["accelerator"] == "ZeroAccelerator"
+    assert results["ddp"]["steps"] == [1, 2, 3, 4]
+    assert results[stage]["steps"] == results["ddp"]["steps"]
+    assert results[stage]["losses"] == pytest.approx(results["ddp"]["losses"], rel=1e-5)
+    assert results[stage]["norms"] == pytest.approx(results["ddp"]["norms"], rel=1e-5)
+    assert results[stage]["lrs"] == pytest.approx(results["ddp"]["lrs"], rel=1e-7)
+    assert results["ddp"]["losses"][-1] < results["ddp"]["losses"][0]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_save_model_writes_the_trained_weights(runs, stage):
+    _, directory = runs
+    ddp = TNLGForCausalLM.from_pretrained(directory / "ddp" / "final").state_dict()
+    sharded = TNLGForCausalLM.from_pretrained(directory / f"stage{stage}" / "final").state_dict()
+    for name, tensor in ddp.items():
+        # Adam normalizes tiny gradients: reduction-order noise reaches ~1e-5; one step of lr 1e-2 is 1e-2.
+        torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-4, msg=name)
+    assert (directory / f"stage{stage}" / "checkpoint-2" / "zero").is_dir()
+
+
+def _resumed(rank: int, world_size: int, directory: str, stage: int) -> dict:
+    train(rank, world_size, stage, directory, save_final=False, stop_after=2)
+    return train(rank, world_size, stage, directory, max_steps=4, resume=True)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_resume_from_a_checkpoint_continues_exactly(runs, stage, tmp_path):
+    results, _ = runs
+    resumed = run_distributed(_resumed, 2, str(tmp_path), stage, timeout=600)[0]
+    # The history of steps 1-2 comes back from checkpoint-2's trainer state; steps 3-4 are new.
+    assert resumed["steps"] == [1, 2, 3, 4]
+    assert resumed["losses"] == pytest.approx(results[stage]["losses"], rel=1e-6)
+    assert resumed["norms"] == pytest.approx(results[stage]["norms"], rel=1e-6)
+
+
+def _selection(rank: int, world_size: int, directory: str) -> dict:
+    import os
+
+    from transformers import TrainingArguments
+
+    from tests.zero_tnlg_cases import debug_model
+    from tnlg.trainer import ZeroTrainer
+
+    def make(**arguments):
+        args = TrainingArguments(output_dir=directory, use_cpu=True, report_to=[], **arguments)
+        return ZeroTrainer(model=debug_model(), args=args)
+
+    found = {"none": type(make().accelerator).__name__}
+    os.environ["TNLG_ZERO_STAGE"] = "2"
+    trainer = make()
+    found["environment"] = (type(trainer.accelerator).__name__, trainer.accelerator.zero_config.stage)
+    trainer.create_optimizer()
+    trainer.model_wrapped, trainer.optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
+    try:
+        trainer._load_optimizer_and_scheduler(directory)
+    except FileNotFoundError as error:
+        found["no engine checkpoint"] = str(error)
+    found["bf16"] = train(rank, world_size, 2, f"{directory}/bf16", bf16=True, save_final=False)
+    try:
+        make(fsdp="full_shard")
+    except ValueError as error:
+        found["fsdp"] = str(error)
+    return found
+
+
+def test_the_engine_is_selected_by_argument_or_environment_and_conflicts_are_named(tmp_path):
+    found = run_distributed(_selection, 1, str(tmp_path), timeout=300)[0]
+    assert found["none"] == "Accelerator"  # nothing asks for ZeRO: the plain Trainer
+    assert found["environment"] == ("ZeroAccelerator", 2)
+    assert "has no zero/ engine checkpoint" in found["no engine checkpoint"]
+    assert "remove the DeepSpeed / FSDP settings" in found["fsdp"]
+    bf16 = found["bf16"]  # TrainingArguments(bf16=True) selects the engine's bf16 parameters
+    assert bf16["parameter_dtype"] == "torch.bfloat16"
+    assert bf16["losses"][-1] < bf16["losses"][0]
