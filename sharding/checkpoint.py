@@ -1,48 +1,102 @@
-"""Sharded engine checkpoints: every rank writes and reads only its own shard, as safetensors + JSON.
+"""Sharded engine checkpoints that load at any world size and any stage.
 
-    DIR/manifest.json          world size, stage, step, the loss scaler, the flat layouts (names,
-                               shapes, units), the optimizer's class and param-group hyperparameters
-    DIR/rank-00000.safetensors this rank's fp32 master shard and optimizer state, per param group
+    DIR/manifest.json          written last by rank 0: world size, stage, step, the loss scaler, the
+                               optimizer's param-group hyperparameters, each group's flat layout
+                               (parameter names, shapes, units, offsets), the sha256 and size of every
+                               rank file, the tnlg version
+    DIR/rank-00000.safetensors rank r's fp32 master shard and optimizer state, per param group
+    DIR/config.json            the model's Transformers config, when it has one (for consolidation)
 
-No pickles. Loading checks that the checkpoint was written by the same world size, stage and
-layout, and names what differs.
+No pickles. [Note: reshaping] Rank r of a checkpoint holds piece r of every unit of every group
+(see [Note: flat layout] in partition.py), so the manifest says where each element of each
+parameter lives: element i of a parameter at offset o of a unit with pieces of p elements is in
+rank (o + i) // p's file, at that unit's shard offset + (o + i) % p. Loading computes, for each
+parameter range this rank owns in *its* layout, the saved segments that cover it and reads just
+those with safetensors slicing: a checkpoint written by N ranks at stage S loads into M ranks at
+stage T directly, optimizer state included. Parameters are matched by name, so the param groups
+and bucket sizes may differ too; missing, unexpected or re-shaped parameters are errors that name them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+UNMANAGED_PREFIX = "module."  # rank 0's file: frozen parameters and buffers, as the module holds them
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: missing or corrupt files, or one of another model."""
 
 
 def rank_file(directory: Path, rank: int) -> Path:
     return directory / f"rank-{rank:05d}.safetensors"
 
 
-def layout_summary(engine: ZeroEngine) -> list[dict[str, Any]]:
-    return [
-        {
-            "names": [slot.name for slot in group.layout.slots],
-            "shapes": [list(slot.shape) for slot in group.layout.slots],
-            "units": [list(unit.slots) for unit in group.layout.units],
-            "shard_numel": group.layout.shard_numel,
-        }
-        for group in engine.groups
-    ]
+def tnlg_version() -> str:
+    try:
+        return metadata.version("tnlg")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- saving
+def group_manifest(engine: ZeroEngine) -> list[dict[str, Any]]:
+    groups = []
+    for group in engine.groups:
+        layout = group.layout
+        groups.append(
+            {
+                "num_shards": layout.num_shards,
+                "shard_numel": layout.shard_numel,
+                "params": [
+                    {"name": s.name, "shape": list(s.shape), "unit": s.unit, "offset": s.offset}
+                    for s in layout.slots
+                ],
+                "units": [
+                    {"numel": u.numel, "piece": u.piece, "shard_offset": u.shard_offset} for u in layout.units
+                ],
+            }
+        )
+    return groups
+
+
+def _unmanaged_state(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    """Module state the engine does not shard (frozen parameters, buffers): needed to consolidate."""
+    managed = {id(p) for group in engine.groups for p in group.params}
+    return {
+        name: tensor
+        for name, tensor in engine.module.state_dict(keep_vars=True).items()
+        if id(tensor) not in managed
+    }
 
 
 def save_engine(engine: ZeroEngine, directory: str | Path) -> None:
-    """Every rank writes its shard into `directory`; rank 0 writes the manifest. Collective."""
+    """Every rank writes its shard into `directory`; rank 0 writes the manifest last. Collective."""
     directory = Path(directory)
     rank = engine.collectives.rank
     if rank == 0:
@@ -53,12 +107,25 @@ def save_engine(engine: ZeroEngine, directory: str | Path) -> None:
     for index, group in enumerate(engine.groups):
         tensors[f"group{index}.master"] = group.master
         for key, value in optimizer.state.get(group.master, {}).items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"group{index}.state.{key}"] = value.reshape(-1) if value.dim() == 0 else value
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, rank_file(directory, rank))
+            if isinstance(value, torch.Tensor) and value.dim() == 0:  # per-group scalars: Adam's step
+                tensors[f"group{index}.scalar.{key}"] = value.reshape(1)
+            elif isinstance(value, torch.Tensor):  # per-element state, laid out like the master shard
+                tensors[f"group{index}.state.{key}"] = value
     if rank == 0:
+        for name, tensor in _unmanaged_state(engine).items():
+            tensors[UNMANAGED_PREFIX + name] = tensor
+    path = rank_file(directory, rank)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
+    _fsync(path)
+    record = {path.name: {"sha256": sha256_of(path), "bytes": path.stat().st_size}}
+    records = _gather_objects(engine, record)
+    if rank == 0:
+        config = getattr(engine.module, "config", None)
+        if config is not None and hasattr(config, "to_json_string"):
+            (directory / "config.json").write_text(config.to_json_string())
         manifest = {
             "format_version": FORMAT_VERSION,
+            "tnlg_version": tnlg_version(),
             "world_size": engine.world_size,
             "stage": engine.config.stage,
             "mixed_precision": engine.config.mixed_precision,
@@ -66,58 +133,255 @@ def save_engine(engine: ZeroEngine, directory: str | Path) -> None:
             "loss_scaler": engine.loss_scaler.state_dict(),
             "optimizer": type(optimizer).__name__,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-            "layouts": layout_summary(engine),
+            "groups": group_manifest(engine),
+            "unmanaged": sorted(_unmanaged_state(engine)),
+            "files": {name: info for r in records for name, info in r.items()},
         }
-        (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+        staging = directory / (MANIFEST + ".tmp")
+        staging.write_text(json.dumps(manifest, indent=2, default=str))
+        _fsync(staging)
+        os.replace(staging, directory / MANIFEST)  # the manifest appears only once every file is complete
     _barrier(engine)
 
 
-def load_engine(engine: ZeroEngine, directory: str | Path) -> dict[str, Any]:
-    """Restore this rank's shard (master weights, optimizer state), the step and the loss scale."""
+# ---------------------------------------------------------------------------------------------- reading
+def read_manifest(directory: str | Path) -> dict[str, Any]:
     directory = Path(directory)
-    manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        raise FileNotFoundError(f"{directory} is not an engine checkpoint: {MANIFEST} is missing")
-    manifest = json.loads(manifest_path.read_text())
-    expected = {
-        "world_size": engine.world_size,
-        "stage": engine.config.stage,
-        "layouts": layout_summary(engine),
-    }
-    for key, value in expected.items():
-        if manifest.get(key) != value:
-            what = "the parameter layout" if key == "layouts" else f"{key} {manifest.get(key)!r}"
-            raise ValueError(
-                f"{directory} was saved with {what}, which differs from this run's"
-                + ("" if key == "layouts" else f" ({value!r})")
-            )
-    path = rank_file(directory, engine.collectives.rank)
+    path = directory / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the checkpoint")
-    tensors = load_file(path)
+        raise CheckpointError(f"{directory} is not a complete engine checkpoint: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path} is not valid JSON ({error}): the manifest is corrupt") from error
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: checkpoint format {version!r}, this tnlg ({tnlg_version()}) reads format {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+@dataclass(frozen=True)
+class SavedParam:
+    """Where a saved parameter's elements are (see [Note: reshaping])."""
+
+    group: int
+    shape: tuple[int, ...]
+    offset: int  # in its unit
+    piece: int  # elements per rank piece of its unit
+    shard_offset: int  # the unit's start in every rank's shard
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+    def segments(self, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+        """(saved rank, position in its shard, position in the flattened parameter, length) covering
+        elements [start, end) of the parameter."""
+        position = self.offset + start
+        while position < self.offset + end:
+            rank = position // self.piece
+            stop = min(self.offset + end, (rank + 1) * self.piece)
+            yield (
+                rank,
+                self.shard_offset + position - rank * self.piece,
+                position - self.offset,
+                stop - position,
+            )
+            position = stop
+
+
+def saved_params(manifest: dict[str, Any]) -> dict[str, SavedParam]:
+    found = {}
+    for index, group in enumerate(manifest["groups"]):
+        for param in group["params"]:
+            unit = group["units"][param["unit"]]
+            found[param["name"]] = SavedParam(
+                index, tuple(param["shape"]), param["offset"], unit["piece"], unit["shard_offset"]
+            )
+    return found
+
+
+class ShardReader:
+    """Slices of a checkpoint's rank files, each file opened (and checksummed) once, on first use."""
+
+    def __init__(self, directory: str | Path, manifest: dict[str, Any], verify: bool = True):
+        self.directory = Path(directory)
+        self.manifest = manifest
+        self.verify = verify
+        self._open: dict[int, Any] = {}
+
+    def file(self, rank: int):
+        if rank not in self._open:
+            path = rank_file(self.directory, rank)
+            expected = self.manifest["files"].get(path.name)
+            if expected is None:
+                raise CheckpointError(f"{path.name} is not listed in {self.directory / MANIFEST}")
+            if not path.is_file():
+                raise CheckpointError(f"{path} is missing from the checkpoint")
+            size = path.stat().st_size
+            if size != expected["bytes"]:
+                raise CheckpointError(
+                    f"{path} is {size} bytes, the manifest says {expected['bytes']}: truncated?"
+                )
+            if self.verify and sha256_of(path) != expected["sha256"]:
+                raise CheckpointError(f"{path}: sha256 differs from the manifest's: the file is corrupt")
+            try:
+                self._open[rank] = safe_open(str(path), framework="pt")
+            except Exception as error:  # safetensors raises its own error types for bad headers
+                raise CheckpointError(f"{path} cannot be read as safetensors: {error}") from error
+        return self._open[rank]
+
+    def keys(self, rank: int) -> set[str]:
+        return set(self.file(rank).keys())
+
+    def read(self, rank: int, key: str, start: int, length: int) -> torch.Tensor:
+        return self.file(rank).get_slice(key)[start : start + length]
+
+    def tensor(self, rank: int, key: str) -> torch.Tensor:
+        return self.file(rank).get_tensor(key)
+
+    def full_param(self, name: str, saved: SavedParam, key: str = "master") -> torch.Tensor:
+        """A whole parameter (`key` "master" or an optimizer state such as "state.exp_avg"), fp32."""
+        flat = torch.empty(saved.numel, dtype=torch.float32)
+        for rank, at, position, length in saved.segments(0, saved.numel):
+            flat[position : position + length] = self.read(rank, f"group{saved.group}.{key}", at, length)
+        return flat.view(saved.shape)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def load_engine(engine: ZeroEngine, directory: str | Path, verify: bool = True) -> dict[str, Any]:
+    """Restore this rank's shard (master weights, optimizer state), the step and the loss scale from a
+    checkpoint saved at any world size and stage. `verify` checks the sha256 of each file read.
+
+    Every rank reads into new tensors first; only when all ranks have read theirs without error is
+    anything replaced, so a damaged checkpoint raises the same `CheckpointError` on every rank (no
+    rank is left waiting in a collective) and leaves the engine as it was."""
+    directory = Path(directory)
+    try:
+        manifest, loaded = _read_shard(engine, directory, verify)
+        failure = None
+    except CheckpointError as error:
+        failure = f"rank {engine.collectives.rank}: {error}" if engine.world_size > 1 else str(error)
+    failures = [f for f in _gather_objects(engine, failure) if f is not None]
+    if failures:
+        raise CheckpointError(
+            failures[0] + (f" (and {len(failures) - 1} more ranks failed)" if len(failures) > 1 else "")
+        )
     optimizer = engine.optimizer.optimizer
-    for index, group in enumerate(engine.groups):
-        group.master.copy_(tensors[f"group{index}.master"])
-        prefix = f"group{index}.state."
-        state = {
-            key[len(prefix) :]: value.to(group.master.device)
-            for key, value in tensors.items()
-            if key.startswith(prefix)
-        }
-        for key, value in state.items():
-            reference = optimizer.state.get(group.master, {}).get(key)
-            if (reference is not None and reference.dim() == 0) or (key == "step" and value.numel() == 1):
-                state[key] = value.reshape(())
+    for group_index, (group, (master, state, hyperparameters)) in enumerate(
+        zip(engine.groups, loaded, strict=True)
+    ):
+        group.master.copy_(master)
         if state:
             optimizer.state[group.master] = state
-        for saved, live in zip(manifest["param_groups"], optimizer.param_groups, strict=True):
-            for key, value in saved.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key in live:
-                    live[key] = value
+        optimizer.param_groups[group_index].update(hyperparameters)
         group.write_back()
+    _load_unmanaged(engine, ShardReader(directory, manifest, verify=False), manifest)
     engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
     engine.global_steps = int(manifest["global_steps"])
     return manifest
+
+
+def _read_shard(engine: ZeroEngine, directory: Path, verify: bool) -> tuple[dict[str, Any], list[tuple]]:
+    """This rank's (master, optimizer state, hyperparameters) per param group, read without
+    communicating and without touching the engine."""
+    manifest = read_manifest(directory)
+    saved = saved_params(manifest)
+    live = {slot.name: (group, slot) for group in engine.groups for slot in group.layout.slots}
+    _check_same_parameters(directory, saved, live)
+    reader = ShardReader(directory, manifest, verify)
+    optimizer = engine.optimizer.optimizer
+    loaded = []
+    for group_index, group in enumerate(engine.groups):
+        sources = {saved[slot.name].group for slot in group.layout.slots}
+        if len(sources) != 1:
+            raise CheckpointError(
+                f"{directory}: the parameters of param group {group_index} were in saved groups {sorted(sources)}: "
+                "the optimizer's param groups must hold the same parameters as when it was saved"
+            )
+        (source,) = sources
+        saved_keys = {
+            k.removeprefix(f"group{source}.") for k in reader.keys(0) if k.startswith(f"group{source}.")
+        }
+        master = torch.zeros_like(group.master)  # padding stays zero, as in a fresh engine
+        targets = {"master": master}
+        state: dict[str, torch.Tensor] = {}
+        for key in sorted(k for k in saved_keys if k.startswith("state.")):
+            state[key.removeprefix("state.")] = targets[key] = torch.zeros_like(group.master)
+        for slot in group.layout.slots:
+            owned = group.layout.owned_range(slot, group.shard_rank)
+            if owned is None:
+                continue
+            start, end, at = owned
+            for rank, saved_at, position, length in saved[slot.name].segments(start, end):
+                here = at + position - start
+                for key, target in targets.items():
+                    target[here : here + length].copy_(
+                        reader.read(rank, f"group{source}.{key}", saved_at, length)
+                    )
+        for key in sorted(k for k in saved_keys if k.startswith("scalar.")):
+            name = key.removeprefix("scalar.")
+            reference = optimizer.state.get(group.master, {}).get(name)
+            device = reference.device if reference is not None else _scalar_state_device(optimizer, group)
+            state[name] = reader.tensor(0, f"group{source}.{key}").reshape(()).to(device)
+        live_group = optimizer.param_groups[group_index]
+        hyperparameters = {
+            key: value
+            for key, value in manifest["param_groups"][source].items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key in live_group
+        }
+        loaded.append((master, state, hyperparameters))
+    for rank in range(manifest["world_size"]) if verify else ():
+        if engine.collectives.rank == rank % max(engine.world_size, 1):
+            reader.file(rank)  # every saved file is checked by some rank, also those no one reads here
+    return manifest, loaded
+
+
+def _check_same_parameters(directory: Path, saved: dict[str, SavedParam], live: dict[str, Any]) -> None:
+    missing = sorted(set(live) - set(saved))
+    unexpected = sorted(set(saved) - set(live))
+    reshaped = sorted(
+        f"{name}: saved {list(saved[name].shape)}, model {list(slot.shape)}"
+        for name, (_, slot) in live.items()
+        if name in saved and tuple(slot.shape) != saved[name].shape
+    )
+    if missing or unexpected or reshaped:
+        problems = []
+        for label, names in (("missing", missing), ("unexpected", unexpected), ("different shape", reshaped)):
+            if names:
+                shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+                problems.append(f"{label}: {shown}")
+        raise CheckpointError(f"{directory} holds a different model's parameters; " + "; ".join(problems))
+
+
+def _scalar_state_device(optimizer: torch.optim.Optimizer, group) -> torch.device:
+    # torch keeps Adam's step on the CPU unless the optimizer is fused or capturable.
+    fused = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    return group.master.device if fused else torch.device("cpu")
+
+
+def _load_unmanaged(engine: ZeroEngine, reader: ShardReader, manifest: dict[str, Any]) -> None:
+    current = _unmanaged_state(engine)
+    for name in manifest.get("unmanaged", []):
+        if name in current:
+            with torch.no_grad():
+                current[name].copy_(reader.tensor(0, UNMANAGED_PREFIX + name))
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as stream:
+        os.fsync(stream.fileno())
+
+
+def _gather_objects(engine: ZeroEngine, value: Any) -> list[Any]:
+    if not engine.collectives.active:
+        return [value]
+    gathered: list[Any] = [None] * engine.world_size
+    dist.all_gather_object(gathered, value, group=engine.collectives.group)
+    return gathered
 
 
 def _barrier(engine: ZeroEngine) -> None:

@@ -214,9 +214,10 @@ class ZeroEngine(nn.Module):
         """Every rank writes its own shard (fp32 master + optimizer state) to `directory`. Collective."""
         save_engine(self, directory)
 
-    def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
-        """Every rank reads its own shard back (same world size, stage and layout); returns the manifest."""
-        return load_engine(self, directory)
+    def load_checkpoint(self, directory: str | Path, verify: bool = True) -> dict[str, Any]:
+        """This rank's shard from a checkpoint saved at any world size and stage (see [Note: reshaping] in
+        checkpoint.py); `verify` checks the files' sha256. Returns the manifest."""
+        return load_engine(self, directory, verify=verify)
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds, by kind: 16-bit (compute-dtype) params, grads, fp32 master, optimizer state."""

@@ -33,3 +33,9 @@ def debug_config() -> TNLGConfig:
 @pytest.fixture
 def debug_model(debug_config) -> TNLGForCausalLM:
     return TNLGForCausalLM(debug_config).eval()
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    """A TNLG_CACHE for the runs of a session: the embedded corpus and default tokenizer, built once."""
+    return tmp_path_factory.mktemp("tnlg-cache")

@@ -54,7 +54,8 @@ def _worker(fn, rank, world_size, port, collective_timeout, results, args):
             torch.save(fn(rank, world_size, *args), payload)
             results.put((rank, "ok", payload.getvalue()))
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # the function may have ended it (Accelerator.end_training does)
+                dist.destroy_process_group()
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
 

@@ -41,11 +41,6 @@ def launch(output: Path, cache: Path, *overrides: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("tnlg-cache")
-
-
-@pytest.fixture(scope="module")
 def run(tmp_path_factory, cache):
     output = tmp_path_factory.mktemp("run")
     return output, launch(output, cache)

@@ -23,6 +23,23 @@ from typing import Any
 import torch
 
 LATEST = "latest"
+ENGINE_LAYOUTS = ("", "engine", "zero")  # engine dir itself; run checkpoints and save_state; ZeroTrainer
+
+
+def find_engine_checkpoint(path: str | Path) -> Path:
+    """The engine checkpoint in what a user points at: an engine directory, a run checkpoint
+    (`step-N/engine`), a run's checkpoint root (its `latest`), a `ZeroAccelerator.save_state`
+    directory (`engine/`) or a `ZeroTrainer` checkpoint (`zero/`)."""
+    path = Path(path)
+    if (path / LATEST).is_file():
+        path = path / json.loads((path / LATEST).read_text())["checkpoint"]
+    for layout in ENGINE_LAYOUTS:
+        candidate = path / layout if layout else path
+        if (candidate / "manifest.json").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"{path} holds no engine checkpoint (a manifest.json here or in engine/ or zero/, or a {LATEST} pointer)"
+    )
 
 
 class RunCheckpointer:

@@ -89,6 +89,13 @@ class TrainSection:
     seed: int = 0
     output_dir: str = "runs/pretrain"
     peak_flops: float | None = None  # per device, for MFU; detected on known GPUs
+    on_nonfinite_loss: str = "stop"  # "stop": raise with the step and data position; "skip": drop the step
+
+    def __post_init__(self) -> None:
+        if self.on_nonfinite_loss not in ("stop", "skip"):
+            raise ValueError(
+                f"train.on_nonfinite_loss must be 'stop' or 'skip', got {self.on_nonfinite_loss!r}"
+            )
 
 
 @dataclass(kw_only=True)

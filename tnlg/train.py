@@ -25,6 +25,7 @@ from tnlg.data.pretokenized import PretokenizedCorpus, PretokenizedStream, read_
 from tnlg.data.sources import SourceConfig
 from tnlg.data.stream import StreamConfig, TokenStream
 from tnlg.data.tokenizer import load_tokenizer, train_byte_level_bpe
+from tnlg.launch_checks import check_ranks_run_the_same_job
 from tnlg.metrics import LossCurve, peak_flops_per_device
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
 from tnlg.sharding import ZeroConfig
@@ -144,6 +145,23 @@ def flat_hyperparameters(tree: dict[str, Any], prefix: str = "") -> dict[str, An
     return flat
 
 
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+def handle_nonfinite_loss(policy: str, step: int, loss: float, stream, rank: int) -> None:
+    """`train.on_nonfinite_loss`: "skip" drops the step (counted in `nonfinite_steps`), "stop" raises
+    with the step and this rank's data position, so the batch can be found and inspected."""
+    if policy == "skip":
+        logger.warning("step %d: the mean loss is %s; the step is skipped", step, loss)
+        return
+    raise NonFiniteLossError(
+        f"step {step}: the mean loss over the ranks is {loss} (train.on_nonfinite_loss=stop). Rank {rank}'s data "
+        f"position after this step's batches: {json.dumps(stream.state_dict())}. Resume from the last "
+        "checkpoint with --train.on_nonfinite_loss skip to step over it, or inspect that data."
+    )
+
+
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -163,6 +181,7 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
         log_with=tracker_names(config.logging.trackers) or None,
         project_config=ProjectConfiguration(project_dir=str(output), logging_dir=str(output / "logs")),
     )
+    check_ranks_run_the_same_job(config.to_dict())
     accelerator.init_trackers(config.logging.project, config=flat_hyperparameters(config.to_dict()))
     tokenizer = (
         default_tokenizer(TNLGConfig.from_preset(config.model.preset, **config.model.overrides).vocab_size)
@@ -217,6 +236,7 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
         dynamic_ncols=True,
     )
     model.train()
+    nonfinite_steps = 0
     for step in range(start_step, train.max_steps):
         started = time.perf_counter()
         total = torch.zeros((), device=accelerator.device)
@@ -225,11 +245,19 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            total += loss.detach() / train.gradient_accumulation_steps
-        scheduler.step()
-        mean_loss = accelerator.reduce(total, "mean").item()
+                total += loss.detach() / train.gradient_accumulation_steps
+                if accelerator.sync_gradients:
+                    # Every rank gets the same mean, so all of them take the same decision below.
+                    mean_loss = accelerator.reduce(total, "mean").item()
+                    finite = math.isfinite(mean_loss)
+                    if finite:
+                        optimizer.step()
+                    else:
+                        nonfinite_steps += 1
+                        handle_nonfinite_loss(train.on_nonfinite_loss, step + 1, mean_loss, stream, rank)
+                optimizer.zero_grad()  # a skipped step's gradients are dropped here
+        if finite:
+            scheduler.step()
         seconds = time.perf_counter() - started
         tokens_per_second = tokens_per_step / seconds
         curve.add(step + 1, mean_loss)
@@ -240,6 +268,7 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
             "grad_norm": engine.get_global_grad_norm(),
             "loss_scale": engine.loss_scale,
             "memory_mb": engine.memory_stats()["total"] / 2**20,
+            "nonfinite_steps": nonfinite_steps,
         }
         if peak:
             metrics["mfu"] = flops_per_token * tokens_per_second / (peak * world)
