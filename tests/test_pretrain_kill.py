@@ -118,3 +118,19 @@ def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_sel
     _launch(tmp_path, cache, "--resume", "latest")
     resumed = json.loads((tmp_path / "loss_curve.json").read_text())["losses"]
     assert resumed == pytest.approx(uninterrupted[2:], rel=1e-6)
+
+
+def test_a_damaged_latest_checkpoint_is_named_and_can_fall_back_to_the_previous_one(cache, tmp_path):
+    steps = ["--train.max_steps", "6", "--train.keep_last", "3"]
+    _launch(tmp_path, cache, *steps)
+    finished = json.loads((tmp_path / "loss_curve.json").read_text())["losses"]
+    damaged = tmp_path / "checkpoints" / "step-00000006" / "engine" / "rank-00001.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-3] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    refused = _launch(tmp_path, cache, *steps, "--resume", "latest", check=False)
+    assert refused.returncode != 0
+    assert "step-00000006/engine/rank-00001.safetensors: sha256 differs" in refused.stdout + refused.stderr
+    _launch(tmp_path, cache, *steps, "--resume", "latest", "--train.resume_fallback", "true")
+    resumed = json.loads((tmp_path / "loss_curve.json").read_text())["losses"]
+    assert resumed == pytest.approx(finished[4:], rel=1e-6)  # steps 5 and 6 again, from step 4

@@ -14,6 +14,7 @@ checkpoint complete and selected. Only the newest `keep_last` are kept. JSON and
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -22,6 +23,9 @@ from typing import Any
 
 import torch
 
+from tnlg.sharding.checkpoint import CheckpointError
+
+logger = logging.getLogger(__name__)
 LATEST = "latest"
 ENGINE_LAYOUTS = ("", "engine", "zero")  # engine dir itself; run checkpoints and save_state; ZeroTrainer
 
@@ -83,10 +87,28 @@ class RunCheckpointer:
             raise FileNotFoundError(f"no checkpoint directory at {path}")
         return path
 
-    def load(self, which: str, engine, scheduler) -> dict[str, Any] | None:
+    def load(self, which: str, engine, scheduler, fallback: bool = False) -> dict[str, Any] | None:
+        """Restore `which` (`latest` or a directory); with `fallback`, a damaged `latest` gives way to the
+        newest older checkpoint that loads (each failure is logged with its reason)."""
         path = self.resolve(which)
         if path is None:
             return None
+        candidates = [path]
+        if fallback and which == LATEST:
+            candidates += sorted(
+                (p for p in self.root.glob("step-*") if p.is_dir() and p.name < path.name), reverse=True
+            )
+        for index, candidate in enumerate(candidates):
+            try:
+                return self._load(candidate, engine, scheduler)
+            except CheckpointError as error:
+                if index == len(candidates) - 1:
+                    raise
+                logger.warning("checkpoint %s cannot be loaded (%s); falling back to %s", candidate, error,
+                               candidates[index + 1])  # fmt: skip
+        return None
+
+    def _load(self, path: Path, engine, scheduler) -> dict[str, Any]:
         engine.load_checkpoint(path / "engine")
         scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
         state = json.loads((path / f"rank-{self.accelerator.process_index:05d}.json").read_text())

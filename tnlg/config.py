@@ -90,6 +90,7 @@ class TrainSection:
     output_dir: str = "runs/pretrain"
     peak_flops: float | None = None  # per device, for MFU; detected on known GPUs
     on_nonfinite_loss: str = "stop"  # "stop": raise with the step and data position; "skip": drop the step
+    resume_fallback: bool = False  # --resume latest: a damaged newest checkpoint gives way to an older one
 
     def __post_init__(self) -> None:
         if self.on_nonfinite_loss not in ("stop", "skip"):

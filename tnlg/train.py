@@ -218,7 +218,7 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
     checkpointer = RunCheckpointer(output / "checkpoints", keep_last=train.keep_last, accelerator=accelerator)
     start_step = 0
     if resume is not None:
-        restored = checkpointer.load(resume, engine, scheduler)
+        restored = checkpointer.load(resume, engine, scheduler, fallback=train.resume_fallback)
         if restored is not None:
             start_step = restored["step"]
             stream.load_state_dict(restored["data"])
