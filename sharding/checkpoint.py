@@ -260,7 +260,7 @@ def load_engine(engine: ZeroEngine, directory: str | Path, verify: bool = True) 
     rank is left waiting in a collective) and leaves the engine as it was."""
     directory = Path(directory)
     try:
-        manifest, loaded = _read_shard(engine, directory, verify)
+        manifest, loaded, reader = _read_shard(engine, directory, verify)
         failure = None
     except CheckpointError as error:
         failure = f"rank {engine.collectives.rank}: {error}" if engine.world_size > 1 else str(error)
@@ -278,13 +278,15 @@ def load_engine(engine: ZeroEngine, directory: str | Path, verify: bool = True) 
             optimizer.state[group.master] = state
         optimizer.param_groups[group_index].update(hyperparameters)
         group.write_back()
-    _load_unmanaged(engine, ShardReader(directory, manifest, verify=False), manifest)
+    _load_unmanaged(engine, reader, manifest)
     engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
     engine.global_steps = int(manifest["global_steps"])
     return manifest
 
 
-def _read_shard(engine: ZeroEngine, directory: Path, verify: bool) -> tuple[dict[str, Any], list[tuple]]:
+def _read_shard(
+    engine: ZeroEngine, directory: Path, verify: bool
+) -> tuple[dict[str, Any], list[tuple], ShardReader]:
     """This rank's (master, optimizer state, hyperparameters) per param group, read without
     communicating and without touching the engine."""
     manifest = read_manifest(directory)
@@ -293,6 +295,7 @@ def _read_shard(engine: ZeroEngine, directory: Path, verify: bool) -> tuple[dict
     _check_same_parameters(directory, saved, live)
     reader = ShardReader(directory, manifest, verify)
     optimizer = engine.optimizer.optimizer
+    rank0_keys = reader.keys(0)
     loaded = []
     for group_index, group in enumerate(engine.groups):
         sources = {saved[slot.name].group for slot in group.layout.slots}
@@ -303,7 +306,7 @@ def _read_shard(engine: ZeroEngine, directory: Path, verify: bool) -> tuple[dict
             )
         (source,) = sources
         saved_keys = {
-            k.removeprefix(f"group{source}.") for k in reader.keys(0) if k.startswith(f"group{source}.")
+            k.removeprefix(f"group{source}.") for k in rank0_keys if k.startswith(f"group{source}.")
         }
         master = torch.zeros_like(group.master)  # padding stays zero, as in a fresh engine
         targets = {"master": master}
@@ -333,10 +336,10 @@ def _read_shard(engine: ZeroEngine, directory: Path, verify: bool) -> tuple[dict
             if isinstance(value, (int, float)) and not isinstance(value, bool) and key in live_group
         }
         loaded.append((master, state, hyperparameters))
-    for rank in range(manifest["world_size"]) if verify else ():
-        if engine.collectives.rank == rank % max(engine.world_size, 1):
-            reader.file(rank)  # every saved file is checked by some rank, also those no one reads here
-    return manifest, loaded
+    if verify:  # every saved file is checked by some rank, also those no rank reads slices of
+        for rank in range(engine.collectives.rank, manifest["world_size"], engine.world_size):
+            reader.file(rank)
+    return manifest, loaded, reader
 
 
 def _check_same_parameters(directory: Path, saved: dict[str, SavedParam], live: dict[str, Any]) -> None:

@@ -64,10 +64,11 @@ def consolidate(
         return int(torch.Size(sliced.get_shape()).numel()) * element
 
     limit = parse_size(max_shard_size)
+    sizes = {name: nbytes(name) for name in names}
     shards: list[list[str]] = [[]]
     size = 0
     for name in names:
-        tensor_bytes = nbytes(name)
+        tensor_bytes = sizes[name]
         if shards[-1] and size + tensor_bytes > limit:
             shards.append([])
             size = 0
@@ -88,7 +89,7 @@ def consolidate(
         weight_map.update(dict.fromkeys(members, file))
     if len(shards) > 1:
         index_file = output / "model.safetensors.index.json"
-        total = sum(nbytes(name) for name in names)
+        total = sum(sizes.values())
         index_file.write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )

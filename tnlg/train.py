@@ -4,6 +4,7 @@ checkpoint, resume, and save a model that `from_pretrained` loads."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -65,19 +66,8 @@ def model_config(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> TNLGC
 def stream_config(data: DataSection, seed: int, split: str) -> StreamConfig:
     sections = data.sources if split == "train" else data.validation_sources
     if sections:
-        sources = tuple(
-            SourceConfig(
-                name=s.name,
-                paths=tuple(s.paths),
-                dataset=s.dataset,
-                dataset_config=s.dataset_config,
-                split=s.split,
-                weight=s.weight,
-                text_field=s.text_field,
-                pile_set_name=s.pile_set_name,
-            )
-            for s in sections
-        )
+        # The config section has SourceConfig's fields (lists where SourceConfig keeps tuples).
+        sources = tuple(SourceConfig(**{**dataclasses.asdict(s), "paths": tuple(s.paths)}) for s in sections)
     elif split == "validation" and (data.sources or data.pretokenized):
         return None  # a configured corpus without validation sources: no evaluation on unrelated text
     else:
