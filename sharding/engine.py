@@ -27,6 +27,7 @@ from .loss_scaler import LossScaler
 from .optimizer import ShardedOptimizer
 from .params import ParameterScheduler
 from .plan import plan_sharding
+from .pretrained import SOURCE_ATTRIBUTE, PretrainedSource, load_pretrained
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class ZeroEngine(nn.Module):
         *,
         device: torch.device | str | None = None,
         init_seed: int = 0,
+        pretrained: PretrainedSource | str | Path | None = None,
     ):
         super().__init__()
         self.config = ZeroConfig.coerce(config)
@@ -77,8 +79,15 @@ class ZeroEngine(nn.Module):
             FlatGroup(group, self.config.stage, self.compute_dtype, target, self.collectives, alignment)
             for group in plan.groups
         ]
+        source = _pretrained_source(module, pretrained)
+        self.pretrained_bytes_read = 0  # what this rank read of a pretrained checkpoint
         if on_meta:
-            self._materialize(init_seed, target)
+            self._materialize(init_seed, target, source)
+        elif source is not None:
+            raise ValueError(
+                f"pretrained={source.path} needs a model built on the meta device (meta_from_pretrained); this "
+                "one already holds weights"
+            )
         else:
             if target != plan.device:
                 raise ValueError(
@@ -245,8 +254,9 @@ class ZeroEngine(nn.Module):
             for tensor in [*self.module.parameters(), *self.module.buffers()]:
                 self.collectives.broadcast(tensor.data, 0)
 
-    def _materialize(self, seed: int, device: torch.device) -> None:
-        """A meta-device model: each rank builds only its shards (see [Note: seeded initialization])."""
+    def _materialize(self, seed: int, device: torch.device, source: PretrainedSource | None) -> None:
+        """A meta-device model: each rank builds only its shards, from a checkpoint's slices (see
+        [Note: pretrained shards]) and/or the seeded initialization (see [Note: seeded initialization])."""
         where = {id(p): (group, i) for group in self.groups for i, p in enumerate(group.params)}
         for group in self.groups:
             group.allocate()
@@ -258,7 +268,13 @@ class ZeroEngine(nn.Module):
             else:  # frozen: kept whole, as on every rank
                 torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=False))
 
-        materialize(self.module, seed, device, keep)
+        if source is None:
+            materialize(self.module, seed, device, keep)
+        else:
+            loaded = load_pretrained(self, source, device)
+            self.pretrained_bytes_read = loaded.bytes_read
+            if loaded.uninitialized:
+                materialize(self.module, seed, device, keep, only=loaded.uninitialized)
         for group in self.groups:
             group.finish()
 
@@ -269,6 +285,14 @@ class ZeroEngine(nn.Module):
         for param in self.module.parameters():
             if not param.requires_grad and param.is_floating_point():
                 param.data = param.data.to(self.compute_dtype)
+
+
+def _pretrained_source(
+    module: nn.Module, pretrained: PretrainedSource | str | Path | None
+) -> PretrainedSource | None:
+    if pretrained is None:
+        return getattr(module, SOURCE_ATTRIBUTE, None)
+    return pretrained if isinstance(pretrained, PretrainedSource) else PretrainedSource(str(pretrained))
 
 
 def _check_backend(device: torch.device, collectives: Collectives) -> None:
@@ -291,12 +315,17 @@ def initialize(
     *,
     device: torch.device | str | None = None,
     init_seed: int = 0,
+    pretrained: PretrainedSource | str | Path | None = None,
 ) -> ZeroEngine:
     """Shard `model` and `optimizer` across the ranks of `process_group` (default: the world).
 
     A model built on the meta device is materialized shard by shard on `device` (default: the
     current CUDA device, else the CPU), with `tnlg.sharding.init`'s per-module seeded
     initialization from `init_seed`: the same values `init_weights(model, init_seed)` gives an
-    unsharded model, at every world size and stage.
+    unsharded model, at every world size and stage. With `pretrained` (a Transformers safetensors
+    checkpoint; `meta_from_pretrained` records it on the model) each rank reads only its slices of
+    the checkpoint instead (see [Note: pretrained shards] in pretrained.py).
     """
-    return ZeroEngine(model, optimizer, config, process_group, device=device, init_seed=init_seed)
+    return ZeroEngine(
+        model, optimizer, config, process_group, device=device, init_seed=init_seed, pretrained=pretrained
+    )

@@ -55,6 +55,7 @@ class FlatGroup:
         self.full_grad: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None
         self.unit_full: list[torch.Tensor] = []
+        self.param_views: list[torch.Tensor | None] = []  # until finish(): each parameter's view
         self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
 
     # ------------------------------------------------------------------ construction
@@ -66,14 +67,29 @@ class FlatGroup:
         self.finish()
 
     def allocate(self) -> None:
+        """The full buffers and every parameter's view into them. In stage 3 a unit that is not
+        persistent is released as soon as its views exist, one unit at a time, so building the
+        engine never holds more than one such unit in full (views need storage when they are made,
+        and keep seeing the buffer's data after it is re-gathered)."""
         layout, dtype = self.layout, self.compute_dtype
         if self.stage < 3:
             self.full = torch.zeros(layout.full_numel, dtype=dtype, device=self.device)
             self.unit_full = [layout.unit_view(self.full, unit) for unit in layout.units]
         else:
-            self.unit_full = [
-                torch.zeros(unit.numel, dtype=dtype, device=self.device) for unit in layout.units
-            ]
+            self.unit_full = []
+        self.param_views = [None] * len(layout.slots)
+        for unit in layout.units:
+            if self.stage == 3:
+                make = torch.zeros if self.persistent[unit.index] else torch.empty
+                self.unit_full.append(make(unit.numel, dtype=dtype, device=self.device))
+            for index in unit.slots:
+                self.param_views[index] = layout.param_view(self.unit_full[unit.index], layout.slots[index])
+            if self.stage == 3 and not self.persistent[unit.index]:
+                self.release(unit)
+
+    def keeps_full(self, index: int) -> bool:
+        """Whether this rank holds parameter `index` in full outside a gather (stages 0-2, persistent units)."""
+        return self.stage < 3 or self.persistent[self.layout.slots[index].unit]
 
     def load_slot(self, index: int, value: torch.Tensor) -> None:
         """Take parameter `index`'s full value: this rank's part into the fp32 master (before any cast
@@ -84,23 +100,32 @@ class FlatGroup:
         if owned is not None:
             start, end, at = owned
             self.master[at : at + end - start].copy_(value.reshape(-1)[start:end])
-        if self.stage < 3 or self.persistent[slot.unit]:
-            layout.param_view(self.unit_full[slot.unit], slot).copy_(value)
+        if self.keeps_full(index):
+            self.param_views[index].copy_(value)
+
+    def load_owned(self, index: int, owned_value: torch.Tensor) -> None:
+        """Take only this rank's part of parameter `index` (flattened, the `owned_range` of its slot),
+        for a parameter it does not keep in full: what a stage 3 rank needs from a checkpoint."""
+        if self.keeps_full(index):
+            raise ValueError(
+                f"{self.layout.slots[index].name} is kept in full here: load_slot needs its whole value"
+            )
+        owned = self.layout.owned_range(self.layout.slots[index], self.shard_rank)
+        if owned is None:
+            return
+        start, end, at = owned
+        self.master[at : at + end - start].copy_(owned_value.reshape(-1))
 
     def finish(self) -> None:
-        """Point the parameters at the buffers, release stage 3's gathered units, allocate gradients."""
+        """Stage 3's 16-bit shard from the master, parameters pointed at the buffers, gradients allocated."""
         if self.stage == 3:
             self.shard = self.master.to(self.compute_dtype, copy=True)
         self._point_params_at_buffers()
-        if self.stage == 3:
-            for unit in self.layout.units:
-                if not self.persistent[unit.index]:
-                    self.release(unit)
+        self.param_views = []  # the parameters are the views now
         self._allocate_gradients()
 
     def _point_params_at_buffers(self) -> None:
-        for slot, param in zip(self.layout.slots, self.params, strict=True):
-            view = self.layout.param_view(self.unit_full[slot.unit], slot)
+        for view, param in zip(self.param_views, self.params, strict=True):
             if param.device != view.device or param.is_meta:
                 # `.data` cannot change a meta parameter's device: swap in an empty real tensor first.
                 # (Swapping in the view itself would share the buffer's version counter, and every

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch import nn
@@ -71,20 +71,24 @@ def materialize(
     seed: int,
     device: torch.device,
     sink: Callable[[nn.Parameter, torch.Tensor], None],
+    only: Collection[int] | None = None,
 ) -> None:
     """Give `sink(parameter, full_value)` every meta parameter's initial value, one module at a time.
 
     The parameter objects stay meta (and stay the ones the optimizer holds); `sink` decides what
-    this rank keeps. Meta buffers cannot be initialised generically and are refused.
+    this rank keeps. `only` (parameter ids) limits it to those parameters, e.g. the ones a
+    checkpoint lacks; their values are the same as without `only`. Meta buffers cannot be
+    initialised generically and are refused.
     """
     meta_buffers = [name for name, b in model.named_buffers() if b.is_meta]
-    if meta_buffers:
+    if meta_buffers and only is None:
         raise ValueError(f"meta-device buffers cannot be materialized (no initializer): {meta_buffers}")
     initialize_module = initializer(model)
     done: set[int] = set()
     for name, module in model.named_modules():
         own = {k: p for k, p in module._parameters.items() if p is not None and id(p) not in done}
-        if not own:
+        if not own or (only is not None and not any(id(p) in only for p in own.values())):
+            done.update(id(p) for p in own.values())
             continue
         originals = dict(module._parameters)
         real = {
@@ -99,4 +103,6 @@ def materialize(
             module._parameters.update(originals)
         for key, param in own.items():
             done.add(id(param))
-            sink(param, real.pop(key).detach())
+            value = real.pop(key).detach()
+            if only is None or id(param) in only:
+                sink(param, value)

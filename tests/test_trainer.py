@@ -10,6 +10,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.trainer_cases import train
+from tests.zero_tnlg_cases import debug_model
 from tnlg import TNLGForCausalLM
 
 STAGES = (0, 1, 2, 3)
@@ -49,6 +50,21 @@ def test_save_model_writes_the_trained_weights(runs, stage):
         # Adam normalizes tiny gradients: reduction-order noise reaches ~1e-5; one step of lr 1e-2 is 1e-2.
         torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-4, msg=name)
     assert (directory / f"stage{stage}" / "checkpoint-2" / "zero").is_dir()
+
+
+def _from_pretrained_shards(rank: int, world_size: int, directory: str, saved: str) -> dict:
+    return train(rank, world_size, 3, directory, save_final=False, pretrained=saved)
+
+
+def test_a_meta_model_from_pretrained_trains_like_the_loaded_model(runs, tmp_path):
+    """The Trainer gets a meta-device model; the engine fills each rank's shards from the checkpoint."""
+    results, _ = runs
+    saved = tmp_path / "saved"
+    debug_model().save_pretrained(saved)  # the weights every other run starts from
+    result = run_distributed(_from_pretrained_shards, 2, str(tmp_path / "run"), str(saved), timeout=300)[0]
+    assert result["steps"] == results[3]["steps"]
+    assert result["losses"] == pytest.approx(results[3]["losses"], rel=1e-6)
+    assert result["norms"] == pytest.approx(results[3]["norms"], rel=1e-6)
 
 
 def _resumed(rank: int, world_size: int, directory: str, stage: int) -> dict:

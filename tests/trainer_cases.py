@@ -8,7 +8,8 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from tests.zero_tnlg_cases import debug_model
-from tnlg.sharding import ZeroConfig
+from tnlg import TNLGForCausalLM
+from tnlg.sharding import ZeroConfig, meta_from_pretrained
 from tnlg.trainer import ZeroTrainer
 
 MICRO_BATCH, ACCUMULATION = 2, 2
@@ -44,10 +45,12 @@ def train(
     save_final: bool = True,
     stop_after: int | None = None,
     bf16: bool = False,
+    pretrained: str | None = None,
 ) -> dict:
     """Losses and gradient norms logged per step, and the final parameters; stage None is the plain
     `Trainer` (DDP). Checkpoints are written every 2 steps; `stop_after` interrupts the run there (the
-    schedule still spans `max_steps`)."""
+    schedule still spans `max_steps`). `pretrained` starts from a saved model built on the meta device,
+    each rank reading only its shards of it."""
     args = TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=MICRO_BATCH,
@@ -71,7 +74,8 @@ def train(
     )
     make = Trainer if stage is None else functools.partial(ZeroTrainer, zero_config=ZeroConfig(stage=stage))
     callbacks = [StopAfter(stop_after)] if stop_after else []
-    trainer = make(model=debug_model(), args=args, train_dataset=dataset(world_size), callbacks=callbacks)
+    model = debug_model() if pretrained is None else meta_from_pretrained(TNLGForCausalLM, pretrained)
+    trainer = make(model=model, args=args, train_dataset=dataset(world_size), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume or None)
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
     result = {

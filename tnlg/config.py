@@ -20,10 +20,14 @@ import yaml
 
 @dataclass(kw_only=True)
 class ModelSection:
-    """`preset` names a `TNLGConfig` preset; `overrides` change any of its fields."""
+    """`preset` names a `TNLGConfig` preset; `overrides` change any of its fields. `init_from` starts
+    from a Transformers checkpoint directory (safetensors) instead of the seeded initialization:
+    its config.json is the architecture (`preset` is not used; `overrides` still apply), and each
+    rank reads only its shards of the weights."""
 
     preset: str = "debug"
     overrides: dict[str, Any] = field(default_factory=dict)
+    init_from: str | None = None
 
 
 @dataclass(kw_only=True)

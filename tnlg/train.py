@@ -29,7 +29,7 @@ from tnlg.data.tokenizer import load_tokenizer, train_byte_level_bpe
 from tnlg.launch_checks import check_ranks_run_the_same_job
 from tnlg.metrics import LossCurve, peak_flops_per_device
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
-from tnlg.sharding import ZeroConfig
+from tnlg.sharding import ZeroConfig, set_pretrained_source
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +46,27 @@ def default_tokenizer(vocab_size: int) -> PreTrainedTokenizerBase:
     return load_tokenizer(directory)
 
 
+def run_tokenizer(config: RunConfig) -> PreTrainedTokenizerBase:
+    """`data.tokenizer`; "default" is the checkpoint's own tokenizer when the run starts from one that
+    has it, else the byte-level BPE of the embedded corpus at the model's vocabulary size."""
+    init_from = config.model.init_from
+    if config.data.tokenizer != "default":
+        return load_tokenizer(config.data.tokenizer)
+    if init_from and (Path(init_from) / "tokenizer.json").is_file():
+        return load_tokenizer(init_from)
+    if init_from:
+        return default_tokenizer(TNLGConfig.from_pretrained(init_from).vocab_size)
+    return default_tokenizer(TNLGConfig.from_preset(config.model.preset, **config.model.overrides).vocab_size)
+
+
 def model_config(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> TNLGConfig:
     overrides = dict(config.model.overrides)
-    overrides.setdefault("eos_token_id", tokenizer.eos_token_id)
-    overrides.setdefault("bos_token_id", tokenizer.eos_token_id)
-    model = TNLGConfig.from_preset(config.model.preset, **overrides)
+    if config.model.init_from:  # the checkpoint's architecture and special tokens
+        model = TNLGConfig.from_pretrained(config.model.init_from, **overrides)
+    else:
+        overrides.setdefault("eos_token_id", tokenizer.eos_token_id)
+        overrides.setdefault("bos_token_id", tokenizer.eos_token_id)
+        model = TNLGConfig.from_preset(config.model.preset, **overrides)
     if len(tokenizer) > model.vocab_size:
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens, the model's vocabulary {model.vocab_size}"
@@ -173,14 +189,12 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
     )
     check_ranks_run_the_same_job(config.to_dict())
     accelerator.init_trackers(config.logging.project, config=flat_hyperparameters(config.to_dict()))
-    tokenizer = (
-        default_tokenizer(TNLGConfig.from_preset(config.model.preset, **config.model.overrides).vocab_size)
-        if config.data.tokenizer == "default"
-        else load_tokenizer(config.data.tokenizer)
-    )
+    tokenizer = run_tokenizer(config)
     architecture = model_config(config, tokenizer)
     with torch.device("meta"):
         model = TNLGForCausalLM(architecture)
+    if config.model.init_from:  # each rank reads only its shards of the checkpoint
+        set_pretrained_source(model, config.model.init_from)
     decay = [p for _, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for _, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(

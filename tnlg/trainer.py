@@ -88,6 +88,11 @@ class ZeroTrainer(Trainer):
         engines = getattr(self.accelerator, "engines", None)
         return engines[0] if engines else None
 
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        if any(p.is_meta for p in model.parameters()):
+            return  # a meta-device model (meta_from_pretrained): the engine builds each rank's shards
+        super()._move_model_to_device(model, device)
+
     # ------------------------------------------------------------------ saving the model
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """A Transformers model directory; under ZeRO every rank must call it (the gather is collective)."""

@@ -1,0 +1,351 @@
+"""Transformers safetensors checkpoints loaded straight into the engine's shards.
+
+    model = meta_from_pretrained(TNLGForCausalLM, "ckpt")      # shapes only, no storage
+    engine = initialize(model, optimizer, ZeroConfig(stage=3))  # each rank reads its slices
+
+[Note: pretrained shards]
+`from_pretrained` followed by sharding holds the whole model on every rank first: a 530B model does
+not fit. Here the model is built on the meta device and the engine reads the checkpoint itself.
+For each trainable parameter a rank needs only the elements it owns in its flat layout, a
+contiguous range of the flattened tensor (see `FlatLayout.owned_range`); safetensors slices a
+tensor along its first dimension, so the rank reads the rows that cover that range (at most two
+rows more than it keeps) and cuts them. A stage 3 rank therefore reads about 1/world of every
+sharded tensor. Parameters a rank keeps whole (stages 0-2, stage 3's small persistent ones, frozen
+ones) are read whole, one at a time. Files are opened one at a time and closed when done, so
+the memory-mapped pages of the checkpoint never add up beyond one file's touched slices.
+
+Names are matched as `from_pretrained` matches them: the module's own names, tied aliases (a
+tied output layer is usually not saved), and the base model's prefix added or removed. Every
+checkpoint tensor must be used and every parameter found, or the load fails naming them;
+`strict=False` initialises the missing parameters with the engine's seeded initialization
+instead and ignores unused tensors, as `from_pretrained(strict=False)` does.
+
+Ranks read without communicating, then agree: a missing or damaged file raises the same
+`CheckpointError` on every rank (no rank is left waiting in a collective).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .checkpoint import CheckpointError, _gather_objects
+
+if TYPE_CHECKING:
+    from .engine import ZeroEngine
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+SOURCE_ATTRIBUTE = "zero_pretrained_source"  # set on a meta model by meta_from_pretrained
+
+
+@dataclass(frozen=True)
+class PretrainedSource:
+    """Where a meta model's weights come from, and whether every tensor must match (`strict`)."""
+
+    path: str
+    strict: bool = True
+
+
+def meta_from_pretrained(
+    model_class: type, path: str | Path, *, strict: bool = True, **config_overrides: Any
+):
+    """`model_class` (a Transformers model class) built on the meta device from `path`'s config.json,
+    remembering `path`: the ZeRO engine (`initialize`, `ZeroAccelerator.prepare`, `ZeroTrainer`) then
+    fills each rank's shards from the checkpoint's safetensors, reading only its slices."""
+    config = model_class.config_class.from_pretrained(path, **config_overrides)
+    with torch.device("meta"):
+        model = model_class(config)
+    return set_pretrained_source(model, path, strict=strict)
+
+
+def set_pretrained_source(model: nn.Module, path: str | Path, *, strict: bool = True) -> nn.Module:
+    """Record on a meta-device `model` that its weights come from `path` (see `meta_from_pretrained`)."""
+    if not any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            "set_pretrained_source takes a model built on the meta device; this one holds weights"
+        )
+    setattr(model, SOURCE_ATTRIBUTE, PretrainedSource(str(path), strict))
+    return model
+
+
+class SafetensorsCheckpoint:
+    """The tensors of a Transformers checkpoint (a directory with `model.safetensors` or shards and
+    their index, or one `.safetensors` file), by name, read in slices. `bytes_read` counts what
+    was asked for."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.weight_map = self._weight_map()
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
+        for file in sorted(set(self.weight_map.values())):
+            with self._open(file) as reader:
+                for name in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if self.weight_map.get(name) == file:
+                        view = reader.get_slice(name)
+                        self.shapes[name], self.dtypes[name] = tuple(view.get_shape()), view.get_dtype()
+        absent = sorted(set(self.weight_map) - set(self.shapes))
+        if absent:
+            raise CheckpointError(f"{self.path}: the index lists tensors its files do not hold: {absent[:5]}")
+        self.bytes_read = 0
+        self._current: tuple[str, Any] | None = None
+
+    def _weight_map(self) -> dict[str, str]:
+        if self.path.is_file():
+            return {name: self.path.name for name in self._keys_of(self.path)}
+        if (self.path / INDEX_FILE).is_file():
+            try:
+                return dict(json.loads((self.path / INDEX_FILE).read_text())["weight_map"])
+            except (json.JSONDecodeError, KeyError) as error:
+                raise CheckpointError(
+                    f"{self.path / INDEX_FILE} is not a safetensors index: {error}"
+                ) from error
+        if (self.path / SINGLE_FILE).is_file():
+            return {name: SINGLE_FILE for name in self._keys_of(self.path / SINGLE_FILE)}
+        if not self.path.exists():
+            raise CheckpointError(f"no checkpoint at {self.path}")
+        raise CheckpointError(
+            f"{self.path} holds no {SINGLE_FILE} or {INDEX_FILE}: sharded loading reads safetensors only "
+            "(convert .bin pickles with save_pretrained(safe_serialization=True) first)"
+        )
+
+    def _keys_of(self, file: Path) -> list[str]:
+        with self._open(file.name if file.parent == self.path else str(file)) as reader:
+            return list(reader.keys())
+
+    def _open(self, file: str):
+        path = self.path / file if self.path.is_dir() else self.path.with_name(file)
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing from the checkpoint")
+        try:
+            return safe_open(str(path), framework="pt")
+        except Exception as error:  # safetensors raises its own types for damaged headers
+            raise CheckpointError(f"{path} cannot be read as safetensors: {error}") from error
+
+    def _reader(self, name: str):
+        file = self.weight_map[name]
+        if self._current is None or self._current[0] != file:
+            self.close()
+            self._current = (file, self._open(file).__enter__())
+        return self._current[1]
+
+    def close(self) -> None:
+        """Unmap the open file: its touched pages stop counting in this process's memory."""
+        if self._current is not None:
+            self._current[1].__exit__(None, None, None)
+            self._current = None
+
+    def read(self, name: str) -> torch.Tensor:
+        tensor = self._reader(name).get_tensor(name)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def read_flat(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of the flattened tensor, reading only the rows that cover them."""
+        shape = self.shapes[name]
+        if len(shape) <= 1:
+            rows = self._reader(name).get_slice(name)[start:end]
+            self.bytes_read += rows.numel() * rows.element_size()
+            return rows.reshape(-1)
+        row = 1
+        for size in shape[1:]:
+            row *= size
+        first, last = start // row, -(-end // row)
+        rows = self._reader(name).get_slice(name)[first:last]
+        self.bytes_read += rows.numel() * rows.element_size()
+        return rows.reshape(-1)[start - first * row : end - first * row]
+
+    def files_in_order(self, names: list[str]) -> list[str]:
+        """`names` ordered file by file, so that each file is opened once."""
+        return sorted(names, key=lambda name: self.weight_map[name])
+
+
+# ---------------------------------------------------------------------------------------------- matching
+@dataclass
+class _Match:
+    """Which checkpoint tensors hold each of the model's tensors, and what does not fit."""
+
+    tensors: dict[str, torch.Tensor]  # the model's first name for each tensor -> the tensor
+    keys: dict[str, list[str]]  # that name -> its checkpoint names (several: tied aliases all saved)
+    missing: list[str]
+    unexpected: list[str]
+    mis_shaped: list[str]
+
+    def problems(self, strict: bool) -> list[str]:
+        found = [("different shape", self.mis_shaped)]
+        if strict:
+            found += [("missing", self.missing), ("unexpected", self.unexpected)]
+        return [f"{label}: {_listed(names)}" for label, names in found if names]
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+
+
+def _candidates(name: str, prefix: str) -> list[str]:
+    if not prefix:
+        return [name]
+    if name.startswith(prefix + "."):
+        return [name, name[len(prefix) + 1 :]]  # a base-model checkpoint loaded into a model with a head
+    return [name, f"{prefix}.{name}"]  # a checkpoint with a head loaded into the base model
+
+
+def _match(module: nn.Module, checkpoint: SafetensorsCheckpoint) -> _Match:
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    available = set(checkpoint.shapes)
+    names: dict[int, list[str]] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+        tensors.setdefault(names[id(tensor)][0], tensor)
+    keys: dict[str, list[str]] = {}
+    missing, mis_shaped, used = [], [], set()
+    for aliases in names.values():
+        first = aliases[0]
+        found = list(dict.fromkeys(k for a in aliases for k in _candidates(a, prefix) if k in available))
+        used.update(found)
+        shape = tuple(tensors[first].shape)
+        bad = [k for k in found if checkpoint.shapes[k] != shape]
+        mis_shaped += [f"{k}: saved {list(checkpoint.shapes[k])}, model {list(shape)}" for k in bad]
+        if not found:
+            missing.append(first)
+        elif not bad:
+            keys[first] = found
+    unexpected = sorted(available - used)
+    if prefix and not hasattr(module, prefix):
+        # The base model loading a checkpoint of a model with a head: the head is not part of it.
+        unexpected = [k for k in unexpected if k.startswith(prefix + ".")]
+    return _Match(tensors, keys, sorted(missing), unexpected, sorted(mis_shaped))
+
+
+# ---------------------------------------------------------------------------------------------- loading
+@dataclass(frozen=True)
+class PretrainedLoad:
+    uninitialized: frozenset[int]  # ids of the parameters the checkpoint lacks (strict=False)
+    bytes_read: int  # by this rank
+
+
+def load_pretrained(engine: ZeroEngine, source: PretrainedSource, device: torch.device) -> PretrainedLoad:
+    """Fill a meta model's engine buffers from a safetensors checkpoint (see [Note: pretrained shards]).
+
+    Called by the engine after its groups are allocated and before `finish`; the parameters it
+    reports uninitialized are the engine's to initialise. Collective only at the end, where the
+    ranks agree that every read succeeded."""
+    try:
+        checkpoint = SafetensorsCheckpoint(source.path)
+        try:
+            uninitialized = _read_into(engine, checkpoint, source, device)
+        finally:
+            checkpoint.close()
+        failure = None
+    except CheckpointError as error:
+        failure = f"rank {engine.collectives.rank}: {error}" if engine.world_size > 1 else str(error)
+    failures = [f for f in _gather_objects(engine, failure) if f is not None]
+    if failures:
+        raise CheckpointError(
+            failures[0] + (f" (and {len(failures) - 1} more ranks failed)" if len(failures) > 1 else "")
+        )
+    if uninitialized:
+        logger.warning(
+            "%s: %d parameters are not in the checkpoint and get the seeded initialization: %s",
+            source.path, len(uninitialized), _listed(sorted(uninitialized.values())),
+        )  # fmt: skip
+    logger.info(
+        "%s: rank %d read %.1f MB", source.path, engine.collectives.rank, checkpoint.bytes_read / 2**20
+    )
+    return PretrainedLoad(frozenset(uninitialized), checkpoint.bytes_read)
+
+
+def _read_into(
+    engine: ZeroEngine, checkpoint: SafetensorsCheckpoint, source: PretrainedSource, device: torch.device
+) -> dict[int, str]:
+    """Read every matched tensor this rank needs; returns the parameters left to initialise (id -> name)."""
+    match = _match(engine.module, checkpoint)
+    problems = match.problems(source.strict)
+    if problems:
+        raise CheckpointError(
+            f"{source.path} does not fit the model; " + "; ".join(problems)
+            + (" (strict=False initialises missing parameters and ignores unused tensors)" if source.strict else "")
+        )  # fmt: skip
+    if match.unexpected:
+        logger.warning(
+            "%s: tensors the model does not use are ignored: %s", source.path, _listed(match.unexpected)
+        )
+    slots = {id(p): (group, i) for group in engine.groups for i, p in enumerate(group.params)}
+    uninitialized: dict[int, str] = {}
+    order = sorted(
+        match.tensors,
+        key=lambda name: checkpoint.weight_map[match.keys[name][0]] if name in match.keys else "",
+    )
+    for name in order:
+        tensor = match.tensors[name]
+        if name not in match.keys:
+            if isinstance(tensor, nn.Parameter) and tensor.is_meta:
+                uninitialized[id(tensor)] = name
+            continue
+        key, *others = match.keys[name]
+        _check_floating(checkpoint, key, tensor)
+        if id(tensor) not in slots:  # a frozen parameter or a buffer: every rank keeps it whole
+            value = checkpoint.read(key).to(device=device, dtype=tensor.dtype)
+            _check_aliases_agree(checkpoint, name, key, others, value.reshape(-1), 0, value.numel())
+            if isinstance(tensor, nn.Parameter):
+                torch.utils.swap_tensors(tensor, nn.Parameter(value, requires_grad=tensor.requires_grad))
+            elif tensor.is_meta:
+                raise CheckpointError(f"{name} is a meta-device buffer: sharded loading cannot place it")
+            else:
+                with torch.no_grad():
+                    tensor.copy_(value)
+            continue
+        group, index = slots[id(tensor)]
+        if group.keeps_full(index):
+            value = checkpoint.read(key)
+            _check_aliases_agree(checkpoint, name, key, others, value.reshape(-1), 0, value.numel())
+            group.load_slot(index, value.to(device))
+            continue
+        owned = group.layout.owned_range(group.layout.slots[index], group.shard_rank)
+        if owned is None:
+            continue
+        start, end, _ = owned
+        part = checkpoint.read_flat(key, start, end)
+        _check_aliases_agree(checkpoint, name, key, others, part, start, end)
+        group.load_owned(index, part.to(device))
+    meta_buffers = [n for n, t in match.tensors.items() if t.is_meta and not isinstance(t, nn.Parameter)]
+    if meta_buffers:
+        raise CheckpointError(f"meta-device buffers are not in the checkpoint: {_listed(meta_buffers)}")
+    return uninitialized
+
+
+def _check_floating(checkpoint: SafetensorsCheckpoint, key: str, tensor: torch.Tensor) -> None:
+    if tensor.is_floating_point() and not checkpoint.dtypes[key].startswith(("F", "BF")):
+        raise CheckpointError(
+            f"{checkpoint.path}: {key} is saved as {checkpoint.dtypes[key]}, the model's is floating point"
+        )
+
+
+def _check_aliases_agree(
+    checkpoint: SafetensorsCheckpoint,
+    name: str,
+    key: str,
+    others: list[str],
+    part: torch.Tensor,
+    start: int,
+    end: int,
+) -> None:
+    """A tied tensor saved under two names must hold the same values (else the checkpoint came
+    from an untied model, and tying would silently change it). Each rank compares its own part."""
+    for other in others:
+        if not torch.equal(checkpoint.read_flat(other, start, end).to(part.dtype), part.cpu()):
+            raise CheckpointError(
+                f"{checkpoint.path}: {other} differs from {key}, but the model ties {name} to both; load it "
+                "into a model with tie_word_embeddings=False"
+            )
