@@ -79,6 +79,36 @@ def test_resume_is_exact(prefix):
         assert np.array_equal(got["input_ids"], want)
 
 
+@pytest.mark.parametrize("new_world_size", [1, 3, 4])
+def test_a_position_saved_at_one_world_size_resumes_at_another_on_the_next_global_sample(
+    prefix, new_world_size
+):
+    corpus = PretokenizedCorpus(prefix, seq_len=8)
+    reference = PretokenizedStream([corpus], [1.0], 1, seed=2)
+    saved = []
+    for rank in range(2):  # two ranks took 5 batches of 3: global samples 0..29
+        stream = PretokenizedStream([corpus], [1.0], 3, 2, rank, 2)
+        for _ in itertools.islice(iter(stream), 5):
+            pass
+        saved.append(stream.state_dict())
+    assert saved[0] == saved[1] and saved[0]["global_samples"] == 30
+    resumed = []
+    for rank in range(new_world_size):
+        stream = PretokenizedStream([corpus], [1.0], 1, 2, rank, new_world_size)
+        stream.load_state_dict(saved[rank % 2])
+        resumed.append(iter(stream))
+    for index in range(30, 30 + 4 * new_world_size):
+        got = next(resumed[(index - 30) % new_world_size])["input_ids"][0]
+        assert np.array_equal(got, reference.global_sample(index)), index
+
+
+def test_a_position_written_by_the_per_rank_format_still_loads(prefix):
+    corpus = PretokenizedCorpus(prefix, seq_len=8)
+    stream = PretokenizedStream([corpus], [1.0], 1, 2, 0, 2)
+    stream.load_state_dict({"sample": 7, "seed": 2, "world_size": 2})
+    assert np.array_equal(next(iter(stream))["input_ids"][0], stream.global_sample(14))
+
+
 def test_damaged_corpora_are_refused(prefix, tmp_path):
     bin_path = prefix.with_name("corpus.bin")
     bin_path.write_bytes(bin_path.read_bytes()[:-2])

@@ -160,8 +160,10 @@ def test_a_resumed_stream_continues_exactly(corpus, world_size):
 def test_state_of_another_rank_is_refused(corpus):
     config = StreamConfig(sources=(corpus["alpha"],), seq_len=8)
     state = TokenStream(config, byte_level_tokenizer(), 2, rank=0, world_size=2).state_dict()
-    with pytest.raises(ValueError, match="rank 0 of 2 cannot resume rank 1 of 2"):
+    with pytest.raises(ValueError, match="saved by rank 0 cannot resume rank 1"):
         TokenStream(config, byte_level_tokenizer(), 2, rank=1, world_size=2).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"saved at world size 2 and is per rank.*pre-tokenized"):
+        TokenStream(config, byte_level_tokenizer(), 2, rank=0, world_size=1).load_state_dict(state)
 
 
 def test_batches_are_labelled_for_the_causal_lm(corpus):

@@ -109,11 +109,27 @@ class RunCheckpointer:
         return None
 
     def _load(self, path: Path, engine, scheduler) -> dict[str, Any]:
+        """The engine reshapes itself to this world size (see tnlg.sharding.checkpoint). At the saved
+        world size every rank takes back its own data position and RNG; at another, every rank gets
+        rank 0's data position (a world-independent one, such as the pre-tokenized stream's, maps
+        onto the new ranks; a per-rank one refuses) and fresh RNG seeded by step and rank."""
         engine.load_checkpoint(path / "engine")
         scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
-        state = json.loads((path / f"rank-{self.accelerator.process_index:05d}.json").read_text())
-        restore_rng(state["rng"])
-        return {"step": state["step"], "data": state["data"], "path": path}
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        saved_world = len(list(path.glob("rank-*.json")))
+        if saved_world == world:
+            state = json.loads((path / f"rank-{rank:05d}.json").read_text())
+            restore_rng(state["rng"])
+        else:
+            state = json.loads((path / "rank-00000.json").read_text())
+            reseed_rng(state["step"], rank)
+            if rank == 0:
+                logger.warning(
+                    "%s was saved by %d processes and resumes on %d: the model and optimizer are resharded, "
+                    "the data continues from the global position, and the RNG is seeded anew",
+                    path, saved_world, world,
+                )  # fmt: skip
+        return {"step": state["step"], "data": state["data"], "path": path, "saved_world_size": saved_world}
 
     def _prune(self) -> None:
         checkpoints = sorted(p for p in self.root.glob("step-*") if p.is_dir())
@@ -134,6 +150,14 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def reseed_rng(step: int, rank: int) -> None:
+    """RNG for a rank with no saved state of its own (a resume at another world size): distinct per
+    rank, and the same on every relaunch."""
+    seed = (step * 1_000_003 + rank) % 2**32
+    random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def _jsonable(value: Any) -> Any:

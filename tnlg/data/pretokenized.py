@@ -11,7 +11,10 @@ with random access from the memory map. `PretokenizedStream` orders the sequence
 such corpora globally (a seeded permutation per corpus and epoch, blended by weight with the same
 deterministic rule as the streaming path) and gives rank r of W the global samples r, r+W, ...:
 the position is one integer, so resuming is exact, and the global order is the same at every
-world size.
+world size. The saved position is the number of global samples taken (every rank takes as many
+as the others), so a run saved at world size N resumes at world size M on the very next global
+sample: with the same global batch (micro-batch x accumulation x world), it trains on exactly
+the batches the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -139,22 +142,29 @@ class PretokenizedStream(torch.utils.data.IterableDataset):
         self.rank, self.world_size = rank, world_size
         total = float(sum(weights))
         self.shares = np.asarray([w / total for w in weights])
-        self.sample = 0  # this rank's samples taken so far: the whole position
+        self.start = 0  # the global sample this world size started from (after a resume)
+        self.sample = 0  # this rank's samples taken since then
         self._permutations: dict[tuple[int, int], np.ndarray] = {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sample": self.sample, "seed": self.seed, "world_size": self.world_size}
+        """The position as global samples taken, the same on every rank (they take equal numbers)."""
+        return {
+            "global_samples": self.start + self.sample * self.world_size,
+            "seed": self.seed,
+            "world_size": self.world_size,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the next global sample, at this stream's world size whatever the saved one."""
         if state["seed"] != self.seed:
             raise ValueError(
                 f"data state was saved with seed {state['seed']}, this stream has seed {self.seed}"
             )
-        if state["world_size"] != self.world_size:
-            raise ValueError(
-                f"data state was saved at world size {state['world_size']}, this stream has {self.world_size}"
-            )
-        self.sample = int(state["sample"])
+        if "global_samples" in state:
+            self.start = int(state["global_samples"])
+        else:  # written before positions were global: that rank's count at its world size
+            self.start = int(state["sample"]) * int(state["world_size"])
+        self.sample = 0
 
     def global_sample(self, index: int) -> np.ndarray:
         """Sample `index` of the global order (the same whatever the world size)."""
@@ -198,7 +208,7 @@ class PretokenizedStream(torch.utils.data.IterableDataset):
         while True:
             rows = []
             for _ in range(self.batch_size):
-                rows.append(self.global_sample(self.sample * self.world_size + self.rank))
+                rows.append(self.global_sample(self.start + self.sample * self.world_size + self.rank))
                 self.sample += 1
             input_ids = torch.from_numpy(np.stack(rows))
             yield {"input_ids": input_ids, "labels": input_ids.clone()}

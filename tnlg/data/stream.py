@@ -83,11 +83,15 @@ class TokenStream(torch.utils.data.IterableDataset):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
+        if state["world_size"] != self.world_size:
             raise ValueError(
-                f"data state saved by rank {state['rank']} of {state['world_size']} cannot resume rank {self.rank} of "
-                f"{self.world_size}"
+                f"the streamed data position was saved at world size {state['world_size']} and is per rank: it "
+                f"cannot continue at world size {self.world_size}. Resume at {state['world_size']} processes, or "
+                "train from pre-tokenized data (scripts/prepare_data.py, data.pretokenized), whose position "
+                "carries over to any world size"
             )
+        if state["rank"] != self.rank:
+            raise ValueError(f"data state saved by rank {state['rank']} cannot resume rank {self.rank}")
         self.shuffle.load_state_dict(state["shuffle"])
         self.batches = int(state["batches"])
 
