@@ -85,3 +85,18 @@ def test_every_package_directory_is_listed_for_a_non_editable_install():
     assert found - listed == set(), (
         f"package directories missing from [tool.setuptools] packages: {found - listed}"
     )
+
+
+def test_kernel_sources_are_package_data():
+    """The C++ / CUDA sources are compiled on the user's machine: a wheel must carry them."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = setuptools["package-data"]["tnlg.sharding.kernels"]
+    sources = [
+        p for p in (REPO / "sharding" / "kernels" / "csrc").iterdir() if p.suffix in (".cpp", ".cu", ".h")
+    ]
+    assert sources
+    for source in sources:
+        relative = source.relative_to(REPO / "sharding" / "kernels")
+        assert any(relative.match(pattern) for pattern in patterns), f"{relative} is not package data"

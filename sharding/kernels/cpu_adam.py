@@ -1,0 +1,176 @@
+"""`CPUAdam`: Adam / AdamW for fp32 parameters in CPU memory, writing their 16-bit copies in the same pass.
+
+    optimizer = CPUAdam(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)   # AdamW
+    optimizer.step(out16=[bf16_copy_of_each_param])   # what ZeRO-Offload sends back to the device
+
+The arithmetic and the state (`step`, `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`) are
+`torch.optim.AdamW`'s (or `Adam`'s with `adamw_mode=False`), so state dicts move between them.
+The work is the C++ kernel in csrc/cpu_adam.cpp on `torch.get_num_threads()` threads; where it
+cannot be built, torch's fused CPU Adam runs instead, followed by a copy into `out16` (one warning
+says so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.optim.adam import adam as torch_adam
+
+from .build import cpu_extension
+
+OUT_DTYPES = (torch.bfloat16, torch.float16)
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CPUAdam(torch.optim.Optimizer):
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        adamw_mode: bool = True,
+    ):
+        if not lr >= 0.0:
+            raise ValueError(f"invalid learning rate: {lr}")
+        if not eps >= 0.0:
+            raise ValueError(f"invalid epsilon: {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas: {betas}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"invalid weight_decay: {weight_decay}")
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "decoupled_weight_decay": adamw_mode,
+            # torch.optim.Adam's other group keys, so that state dicts load into it unchanged
+            "maximize": False,
+            "foreach": None,
+            "capturable": False,
+            "differentiable": False,
+            "fused": None,
+        }
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.device.type != "cpu" or param.dtype != torch.float32:
+                    raise ValueError(
+                        f"CPUAdam updates fp32 CPU tensors; got a {param.dtype} tensor on {param.device}"
+                    )
+
+    @property
+    def uses_extension(self) -> bool:
+        """Whether steps run the C++ kernel (False: torch's fused Adam plus a copy)."""
+        return cpu_extension("cpu_adam") is not None
+
+    @torch.no_grad()
+    def step(
+        self,
+        closure: Callable[[], float] | None = None,
+        *,
+        out16: Sequence[torch.Tensor | None] | Mapping[torch.Tensor, torch.Tensor] | None = None,
+        grads: Sequence[torch.Tensor | None] | None = None,
+        grad_scale: float = 1.0,
+    ) -> float | None:
+        """One step of every parameter with a gradient. `out16` gives a bf16 or fp16 tensor per
+        parameter (a sequence in param-group order, or a mapping from the parameter) that receives
+        its updated value; parameters without a gradient are left alone, and so is their copy.
+        `grads` (in param-group order) replaces `param.grad`: a bf16 or fp16 gradient is read as it
+        is, with no fp32 copy (torch refuses to store one in an fp32 parameter's `.grad`).
+        `grad_scale` multiplies every gradient as it is read: loss-scale unscaling and norm clipping
+        at no extra pass over the gradients."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        targets = self._by_param(out16, "out16")
+        given = self._by_param(grads, "grads")
+        kernel = cpu_extension("cpu_adam")
+        threads = torch.get_num_threads()
+        for group in self.param_groups:
+            if group["maximize"]:
+                raise ValueError("CPUAdam does not implement maximize=True")
+            beta1, beta2 = group["betas"]
+            adamw = group["decoupled_weight_decay"]
+            for param in group["params"]:
+                grad = given.get(param) if grads is not None else param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError("CPUAdam does not support sparse gradients")
+                if grad.dtype not in GRAD_DTYPES or grad.device.type != "cpu" or grad.shape != param.shape:
+                    raise ValueError(
+                        f"gradient of a {list(param.shape)} parameter is a {grad.dtype} {list(grad.shape)} tensor "
+                        f"on {grad.device}: it must be on the CPU, the parameter's shape, fp32, bf16 or fp16"
+                    )
+                out = targets.get(param)
+                state = self._state_of(param, group["amsgrad"])
+                state["step"] += 1
+                step = int(state["step"].item())
+                if kernel is not None:
+                    empty = torch.empty(0)
+                    kernel.adam_step(
+                        param, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
+                        state.get("max_exp_avg_sq", empty), out if out is not None else empty,
+                        group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step,
+                        adamw, group["amsgrad"], grad_scale, threads,
+                    )  # fmt: skip
+                    continue
+                state["step"] -= 1  # torch's functional Adam counts the step itself
+                torch_adam(
+                    [param], [grad.to(torch.float32) * grad_scale], [state["exp_avg"]], [state["exp_avg_sq"]],
+                    [state["max_exp_avg_sq"]] if group["amsgrad"] else [], [state["step"]],
+                    fused=True, decoupled_weight_decay=adamw, amsgrad=group["amsgrad"],
+                    beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                    eps=group["eps"], maximize=False,
+                )  # fmt: skip
+                if out is not None:
+                    out.copy_(param)
+        return loss
+
+    def _state_of(self, param: torch.Tensor, amsgrad: bool) -> dict[str, torch.Tensor]:
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+            if amsgrad:
+                state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        return state
+
+    def _by_param(self, tensors, what: str) -> dict[torch.Tensor, torch.Tensor]:
+        """`out16` / `grads` as {parameter: tensor}, checked before anything is updated."""
+        if tensors is None:
+            return {}
+        params = [p for group in self.param_groups for p in group["params"]]
+        if isinstance(tensors, Mapping):
+            pairs = list(tensors.items())
+        else:
+            if len(tensors) != len(params):
+                raise ValueError(f"{what} has {len(tensors)} tensors for {len(params)} parameters")
+            pairs = [(p, t) for p, t in zip(params, tensors, strict=True) if t is not None]
+        known = {id(p) for p in params}
+        for param, tensor in pairs:
+            if id(param) not in known:
+                raise ValueError(f"{what} names a tensor that is not one of this optimizer's parameters")
+            if what == "out16":
+                self._check_out(param, tensor)
+        return dict(pairs)
+
+    @staticmethod
+    def _check_out(param: torch.Tensor, out: torch.Tensor) -> None:
+        if out.dtype not in OUT_DTYPES or out.device.type != "cpu" or out.shape != param.shape:
+            raise ValueError(
+                f"out16 for a {list(param.shape)} parameter is a {out.dtype} {list(out.shape)} tensor on "
+                f"{out.device}: it must be a bf16 or fp16 CPU tensor of the parameter's shape"
+            )
+        if not out.is_contiguous():
+            raise ValueError("out16 tensors must be contiguous")
