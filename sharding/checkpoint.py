@@ -22,11 +22,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 if TYPE_CHECKING:
     from .engine import ZeroEngine
 
+T = TypeVar("T")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
 UNMANAGED_PREFIX = "module."  # rank 0's file: frozen parameters and buffers, as the module holds them
@@ -259,16 +260,7 @@ def load_engine(engine: ZeroEngine, directory: str | Path, verify: bool = True) 
     anything replaced, so a damaged checkpoint raises the same `CheckpointError` on every rank (no
     rank is left waiting in a collective) and leaves the engine as it was."""
     directory = Path(directory)
-    try:
-        manifest, loaded, reader = _read_shard(engine, directory, verify)
-        failure = None
-    except CheckpointError as error:
-        failure = f"rank {engine.collectives.rank}: {error}" if engine.world_size > 1 else str(error)
-    failures = [f for f in _gather_objects(engine, failure) if f is not None]
-    if failures:
-        raise CheckpointError(
-            failures[0] + (f" (and {len(failures) - 1} more ranks failed)" if len(failures) > 1 else "")
-        )
+    manifest, loaded, reader = read_on_every_rank(engine, lambda: _read_shard(engine, directory, verify))
     optimizer = engine.optimizer.optimizer
     for group_index, (group, (master, state, hyperparameters)) in enumerate(
         zip(engine.groups, loaded, strict=True)
@@ -374,6 +366,22 @@ def _load_unmanaged(engine: ZeroEngine, reader: ShardReader, manifest: dict[str,
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def read_on_every_rank(engine: ZeroEngine, read: Callable[[], T]) -> T:
+    """`read()` on this rank, then agree: if it raised `CheckpointError` on any rank, every rank
+    raises that error (naming the rank), so none is left waiting in a later collective."""
+    try:
+        result, failure = read(), None
+    except CheckpointError as error:
+        result = None
+        failure = f"rank {engine.collectives.rank}: {error}" if engine.world_size > 1 else str(error)
+    failures = [f for f in _gather_objects(engine, failure) if f is not None]
+    if failures:
+        raise CheckpointError(
+            failures[0] + (f" (and {len(failures) - 1} more ranks failed)" if len(failures) > 1 else "")
+        )
+    return result
+
+
 def _fsync(path: Path) -> None:
     with open(path, "rb") as stream:
         os.fsync(stream.fileno())

@@ -36,7 +36,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .checkpoint import CheckpointError, _gather_objects
+from .checkpoint import CheckpointError, read_on_every_rank
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine
@@ -241,20 +241,15 @@ def load_pretrained(engine: ZeroEngine, source: PretrainedSource, device: torch.
     Called by the engine after its groups are allocated and before `finish`; the parameters it
     reports uninitialized are the engine's to initialise. Collective only at the end, where the
     ranks agree that every read succeeded."""
-    try:
+
+    def read() -> tuple[SafetensorsCheckpoint, dict[int, str]]:
         checkpoint = SafetensorsCheckpoint(source.path)
         try:
-            uninitialized = _read_into(engine, checkpoint, source, device)
+            return checkpoint, _read_into(engine, checkpoint, source, device)
         finally:
             checkpoint.close()
-        failure = None
-    except CheckpointError as error:
-        failure = f"rank {engine.collectives.rank}: {error}" if engine.world_size > 1 else str(error)
-    failures = [f for f in _gather_objects(engine, failure) if f is not None]
-    if failures:
-        raise CheckpointError(
-            failures[0] + (f" (and {len(failures) - 1} more ranks failed)" if len(failures) > 1 else "")
-        )
+
+    checkpoint, uninitialized = read_on_every_rank(engine, read)
     if uninitialized:
         logger.warning(
             "%s: %d parameters are not in the checkpoint and get the seeded initialization: %s",
