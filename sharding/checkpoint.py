@@ -119,7 +119,7 @@ def save_engine(engine: ZeroEngine, directory: str | Path) -> None:
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
     _fsync(path)
     record = {path.name: {"sha256": sha256_of(path), "bytes": path.stat().st_size}}
-    records = _gather_objects(engine, record)
+    records = engine.collectives.all_gather_object(record)
     if rank == 0:
         config = getattr(engine.module, "config", None)
         if config is not None and hasattr(config, "to_json_string"):
@@ -226,13 +226,21 @@ class ShardReader:
                 raise CheckpointError(
                     f"{path} is {size} bytes, the manifest says {expected['bytes']}: truncated?"
                 )
-            if self.verify and sha256_of(path) != expected["sha256"]:
-                raise CheckpointError(f"{path}: sha256 differs from the manifest's: the file is corrupt")
+            if self.verify:
+                self.check_sha256(rank)
             try:
                 self._open[rank] = safe_open(str(path), framework="pt")
             except Exception as error:  # safetensors raises its own error types for bad headers
                 raise CheckpointError(f"{path} cannot be read as safetensors: {error}") from error
         return self._open[rank]
+
+    def check_sha256(self, rank: int) -> None:
+        path = rank_file(self.directory, rank)
+        expected = self.manifest["files"].get(path.name)
+        if expected is None or not path.is_file():
+            self.file(rank)  # raises, naming what is missing
+        if sha256_of(path) != expected["sha256"]:
+            raise CheckpointError(f"{path}: sha256 differs from the manifest's: the file is corrupt")
 
     def keys(self, rank: int) -> set[str]:
         return set(self.file(rank).keys())
@@ -285,7 +293,9 @@ def _read_shard(
     saved = saved_params(manifest)
     live = {slot.name: (group, slot) for group in engine.groups for slot in group.layout.slots}
     _check_same_parameters(directory, saved, live)
-    reader = ShardReader(directory, manifest, verify)
+    # Opening checks sizes only: each file's sha256 is computed once, by one rank, below (every
+    # rank hashing every file it reads from would hash rank 0's file on all of them).
+    reader = ShardReader(directory, manifest, verify=False)
     optimizer = engine.optimizer.optimizer
     rank0_keys = reader.keys(0)
     loaded = []
@@ -328,9 +338,9 @@ def _read_shard(
             if isinstance(value, (int, float)) and not isinstance(value, bool) and key in live_group
         }
         loaded.append((master, state, hyperparameters))
-    if verify:  # every saved file is checked by some rank, also those no rank reads slices of
+    if verify:  # every saved file is hashed by one rank; read_on_every_rank makes any mismatch fail all
         for rank in range(engine.collectives.rank, manifest["world_size"], engine.world_size):
-            reader.file(rank)
+            reader.check_sha256(rank)
     return manifest, loaded, reader
 
 
@@ -374,7 +384,7 @@ def read_on_every_rank(engine: ZeroEngine, read: Callable[[], T]) -> T:
     except CheckpointError as error:
         result = None
         failure = f"rank {engine.collectives.rank}: {error}" if engine.world_size > 1 else str(error)
-    failures = [f for f in _gather_objects(engine, failure) if f is not None]
+    failures = [f for f in engine.collectives.all_gather_object(failure) if f is not None]
     if failures:
         raise CheckpointError(
             failures[0] + (f" (and {len(failures) - 1} more ranks failed)" if len(failures) > 1 else "")
@@ -385,14 +395,6 @@ def read_on_every_rank(engine: ZeroEngine, read: Callable[[], T]) -> T:
 def _fsync(path: Path) -> None:
     with open(path, "rb") as stream:
         os.fsync(stream.fileno())
-
-
-def _gather_objects(engine: ZeroEngine, value: Any) -> list[Any]:
-    if not engine.collectives.active:
-        return [value]
-    gathered: list[Any] = [None] * engine.world_size
-    dist.all_gather_object(gathered, value, group=engine.collectives.group)
-    return gathered
 
 
 def _barrier(engine: ZeroEngine) -> None:

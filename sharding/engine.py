@@ -66,6 +66,8 @@ class ZeroEngine(nn.Module):
         self.compute_dtype = COMPUTE_DTYPES[self.config.mixed_precision]
         on_meta = plan.device.type == "meta"
         target = torch.device(device) if device is not None else plan.device
+        if target.type == "cuda" and target.index is None:  # "cuda" means the current device, as model.cuda()
+            target = torch.device("cuda", torch.cuda.current_device())
         if on_meta and device is None:
             target = (
                 torch.device("cuda", torch.cuda.current_device())

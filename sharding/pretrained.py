@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,33 +86,38 @@ class SafetensorsCheckpoint:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.weight_map = self._weight_map()
+        self.directory = self.path if self.path.is_dir() else self.path.parent
+        index = self._index()  # None: one file holds every tensor
+        files = sorted(set(index.values())) if index is not None else [self._single_file()]
+        self.weight_map: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, str] = {}
-        for file in sorted(set(self.weight_map.values())):
+        for file in files:  # one pass over the headers: names, shapes and dtypes together
             with self._open(file) as reader:
                 for name in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    if self.weight_map.get(name) == file:
+                    if index is None or index.get(name) == file:
                         view = reader.get_slice(name)
+                        self.weight_map[name] = file
                         self.shapes[name], self.dtypes[name] = tuple(view.get_shape()), view.get_dtype()
-        absent = sorted(set(self.weight_map) - set(self.shapes))
+        absent = sorted(set(index or ()) - set(self.shapes))
         if absent:
             raise CheckpointError(f"{self.path}: the index lists tensors its files do not hold: {absent[:5]}")
         self.bytes_read = 0
         self._current: tuple[str, Any] | None = None
 
-    def _weight_map(self) -> dict[str, str]:
+    def _index(self) -> dict[str, str] | None:
+        if self.path.is_file() or not (self.path / INDEX_FILE).is_file():
+            return None
+        try:
+            return dict(json.loads((self.path / INDEX_FILE).read_text())["weight_map"])
+        except (json.JSONDecodeError, KeyError) as error:
+            raise CheckpointError(f"{self.path / INDEX_FILE} is not a safetensors index: {error}") from error
+
+    def _single_file(self) -> str:
         if self.path.is_file():
-            return {name: self.path.name for name in self._keys_of(self.path)}
-        if (self.path / INDEX_FILE).is_file():
-            try:
-                return dict(json.loads((self.path / INDEX_FILE).read_text())["weight_map"])
-            except (json.JSONDecodeError, KeyError) as error:
-                raise CheckpointError(
-                    f"{self.path / INDEX_FILE} is not a safetensors index: {error}"
-                ) from error
+            return self.path.name
         if (self.path / SINGLE_FILE).is_file():
-            return {name: SINGLE_FILE for name in self._keys_of(self.path / SINGLE_FILE)}
+            return SINGLE_FILE
         if not self.path.exists():
             raise CheckpointError(f"no checkpoint at {self.path}")
         raise CheckpointError(
@@ -119,12 +125,8 @@ class SafetensorsCheckpoint:
             "(convert .bin pickles with save_pretrained(safe_serialization=True) first)"
         )
 
-    def _keys_of(self, file: Path) -> list[str]:
-        with self._open(file.name if file.parent == self.path else str(file)) as reader:
-            return list(reader.keys())
-
     def _open(self, file: str):
-        path = self.path / file if self.path.is_dir() else self.path.with_name(file)
+        path = self.directory / file
         if not path.is_file():
             raise CheckpointError(f"{path} is missing from the checkpoint")
         try:
@@ -153,21 +155,13 @@ class SafetensorsCheckpoint:
     def read_flat(self, name: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of the flattened tensor, reading only the rows that cover them."""
         shape = self.shapes[name]
-        if len(shape) <= 1:
-            rows = self._reader(name).get_slice(name)[start:end]
-            self.bytes_read += rows.numel() * rows.element_size()
-            return rows.reshape(-1)
-        row = 1
-        for size in shape[1:]:
-            row *= size
+        if not shape:  # a scalar cannot be sliced
+            return self.read(name).reshape(-1)[start:end]
+        row = math.prod(shape[1:])
         first, last = start // row, -(-end // row)
         rows = self._reader(name).get_slice(name)[first:last]
         self.bytes_read += rows.numel() * rows.element_size()
         return rows.reshape(-1)[start - first * row : end - first * row]
-
-    def files_in_order(self, names: list[str]) -> list[str]:
-        """`names` ordered file by file, so that each file is opened once."""
-        return sorted(names, key=lambda name: self.weight_map[name])
 
 
 # ---------------------------------------------------------------------------------------------- matching
@@ -278,7 +272,7 @@ def _read_into(
         )
     slots = {id(p): (group, i) for group in engine.groups for i, p in enumerate(group.params)}
     uninitialized: dict[int, str] = {}
-    order = sorted(
+    order = sorted(  # file by file, so that each file is opened once
         match.tensors,
         key=lambda name: checkpoint.weight_map[match.keys[name][0]] if name in match.keys else "",
     )

@@ -48,7 +48,12 @@ def accelerate_loop(rank: int, world_size: int, stage: int | None, save_to: str 
         losses.append(accelerator.reduce(loss.detach(), "mean").item())
         lrs.append(optimizer.param_groups[0]["lr"])
     result = {"losses": losses, "norms": norms, "lrs": lrs}
-    if save_to is not None:
+    if save_to is not None and stage is None:  # plain Accelerate's recipe for a from_pretrained directory
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(model).save_pretrained(save_to, max_shard_size="100KB")
+        accelerator.wait_for_everyone()
+    elif save_to is not None:
         accelerator.save_model(model, save_to, max_shard_size="100KB")
         result["unwrapped"] = type(accelerator.unwrap_model(model)).__name__
     return result

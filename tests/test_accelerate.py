@@ -12,7 +12,7 @@ from tnlg.accelerate import ZeroAccelerator, zero_config_from_environment
 
 
 def _all(rank: int, world_size: int, directory: str) -> dict:
-    runs = {"ddp": accelerate_loop(rank, world_size, None)}
+    runs = {"ddp": accelerate_loop(rank, world_size, None, save_to=f"{directory}/ddp")}
     for stage in (0, 1, 2, 3):
         runs[stage] = accelerate_loop(rank, world_size, stage, save_to=f"{directory}/stage{stage}")
     return runs
@@ -38,7 +38,7 @@ def test_save_model_reloads_with_from_pretrained(runs, stage):
     results, directory = runs
     assert results[stage]["unwrapped"] == "TNLGForCausalLM"
     model = TNLGForCausalLM.from_pretrained(directory / f"stage{stage}")
-    reference = TNLGForCausalLM.from_pretrained(directory / "stage0")
+    reference = TNLGForCausalLM.from_pretrained(directory / "ddp")  # what plain Accelerate trained
     for name, tensor in reference.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], tensor, atol=1e-5, rtol=0, msg=name)
     assert (directory / f"stage{stage}" / "model.safetensors.index.json").is_file()

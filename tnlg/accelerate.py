@@ -218,11 +218,17 @@ class ZeroAccelerator(Accelerator):
         )
 
     def get_state_dict(self, model, unwrap: bool = True):
-        """The consolidated state dict on the main process (every process must call it)."""
+        """The consolidated state dict on the main process (every process must call it); an empty one
+        there is an error, so that nothing built on it writes a model without weights."""
         engine = self._engine_of(model)
         if engine is None:
             return super().get_state_dict(model, unwrap=unwrap)
-        return engine.full_state_dict()
+        state = engine.full_state_dict()
+        if self.is_main_process and not state:
+            raise RuntimeError(
+                "the consolidated state dict is empty: refusing to write a model without weights"
+            )
+        return state
 
     def save_state(
         self, output_dir: str | Path | None = None, safe_serialization: bool = True, **kwargs: Any
@@ -268,12 +274,8 @@ class ZeroAccelerator(Accelerator):
         engine = self._engine_of(model)
         if engine is None:
             return super().save_model(model, save_directory, max_shard_size, safe_serialization)
-        state = engine.full_state_dict()  # collective: every rank takes part
+        state = self.get_state_dict(engine)  # collective: every rank takes part
         if self.is_main_process:
-            if not state:
-                raise RuntimeError(
-                    "the consolidated state dict is empty: refusing to write a model without weights"
-                )
             module = engine.module
             if hasattr(module, "save_pretrained"):
                 module.save_pretrained(

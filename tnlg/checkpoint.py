@@ -30,13 +30,19 @@ LATEST = "latest"
 ENGINE_LAYOUTS = ("", "engine", "zero")  # engine dir itself; run checkpoints and save_state; ZeroTrainer
 
 
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint `root/latest` names, or None when there is no pointer yet."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    return root / json.loads(pointer.read_text())["checkpoint"]
+
+
 def find_engine_checkpoint(path: str | Path) -> Path:
     """The engine checkpoint in what a user points at: an engine directory, a run checkpoint
     (`step-N/engine`), a run's checkpoint root (its `latest`), a `ZeroAccelerator.save_state`
     directory (`engine/`) or a `ZeroTrainer` checkpoint (`zero/`)."""
-    path = Path(path)
-    if (path / LATEST).is_file():
-        path = path / json.loads((path / LATEST).read_text())["checkpoint"]
+    path = latest_checkpoint(Path(path)) or Path(path)
     for layout in ENGINE_LAYOUTS:
         candidate = path / layout if layout else path
         if (candidate / "manifest.json").is_file():
@@ -78,10 +84,7 @@ class RunCheckpointer:
     def resolve(self, which: str) -> Path | None:
         """`latest` (None when there is no checkpoint yet) or a checkpoint directory."""
         if which == LATEST:
-            pointer = self.root / LATEST
-            if not pointer.is_file():
-                return None
-            return self.root / json.loads(pointer.read_text())["checkpoint"]
+            return latest_checkpoint(self.root)
         path = Path(which)
         if not path.is_dir():
             raise FileNotFoundError(f"no checkpoint directory at {path}")

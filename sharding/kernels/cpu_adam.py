@@ -113,19 +113,17 @@ class CPUAdam(torch.optim.Optimizer):
                     )
                 out = targets.get(param)
                 state = self._state_of(param, group["amsgrad"])
-                state["step"] += 1
-                step = int(state["step"].item())
                 if kernel is not None:
+                    state["step"] += 1
                     empty = torch.empty(0)
                     kernel.adam_step(
                         param, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
                         state.get("max_exp_avg_sq", empty), out if out is not None else empty,
-                        group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step,
+                        group["lr"], beta1, beta2, group["eps"], group["weight_decay"], int(state["step"].item()),
                         adamw, group["amsgrad"], grad_scale, threads,
                     )  # fmt: skip
                     continue
-                state["step"] -= 1  # torch's functional Adam counts the step itself
-                torch_adam(
+                torch_adam(  # counts the step itself
                     [param], [grad.to(torch.float32) * grad_scale], [state["exp_avg"]], [state["exp_avg_sq"]],
                     [state["max_exp_avg_sq"]] if group["amsgrad"] else [], [state["step"]],
                     fused=True, decoupled_weight_decay=adamw, amsgrad=group["amsgrad"],

@@ -145,6 +145,7 @@ class PretokenizedStream(torch.utils.data.IterableDataset):
         self.start = 0  # the global sample this world size started from (after a resume)
         self.sample = 0  # this rank's samples taken since then
         self._permutations: dict[tuple[int, int], np.ndarray] = {}
+        self._memo = (0, np.zeros(len(self.corpora), dtype=np.int64))  # blend counts before a sample index
 
     def state_dict(self) -> dict[str, Any]:
         """The position as global samples taken, the same on every rank (they take equal numbers)."""
@@ -188,7 +189,7 @@ class PretokenizedStream(torch.utils.data.IterableDataset):
 
     def _counts_before(self, index: int) -> np.ndarray:
         # Replaying the rule is exact and cheap next to reading a sequence; memoise the last point.
-        start, counts = getattr(self, "_memo", (0, np.zeros(len(self.corpora), dtype=np.int64)))
+        start, counts = self._memo
         if index < start:
             start, counts = 0, np.zeros(len(self.corpora), dtype=np.int64)
         counts = counts.copy()
