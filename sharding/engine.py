@@ -24,6 +24,7 @@ from .flat_group import FlatGroup
 from .grads import GradientReducer
 from .init import materialize
 from .loss_scaler import LossScaler
+from .offload import Placement
 from .optimizer import ShardedOptimizer
 from .params import ParameterScheduler
 from .plan import plan_sharding
@@ -77,8 +78,15 @@ class ZeroEngine(nn.Module):
         alignment = 1
         if target.type == "cuda":
             alignment = CUDA_ALIGNMENT_BYTES // torch.tensor([], dtype=self.compute_dtype).element_size()
+        placement = Placement(
+            target,
+            optimizer_on_host=self.config.offload_optimizer == "cpu",
+            params_on_host=self.config.offload_param == "cpu",
+        )
         self.groups = [
-            FlatGroup(group, self.config.stage, self.compute_dtype, target, self.collectives, alignment)
+            FlatGroup(
+                group, self.config.stage, self.compute_dtype, target, self.collectives, alignment, placement
+            )
             for group in plan.groups
         ]
         source = _pretrained_source(module, pretrained)
@@ -107,6 +115,7 @@ class ZeroEngine(nn.Module):
             self.loss_scaler,
             self.config.gradient_clipping,
             sharded=self.config.stage >= 1,
+            offloaded=placement.optimizer_on_host,
         )
         self.scheduler = (
             ParameterScheduler(plan.blocks, self.groups, self.config, self.collectives)
@@ -203,10 +212,11 @@ class ZeroEngine(nn.Module):
             layout = group.layout
             for unit in layout.units:
                 full = torch.empty(unit.numel, dtype=torch.float32, device=group.device)
+                piece = layout.shard_piece(group.master, unit).to(group.device)  # offloaded: from the host
                 if layout.num_shards == 1:
-                    full.copy_(layout.shard_piece(group.master, unit))
+                    full.copy_(piece)
                 else:
-                    self.collectives.all_gather(full, layout.shard_piece(group.master, unit))
+                    self.collectives.all_gather(full, piece)
                 if keep:
                     for index in unit.slots:
                         slot = layout.slots[index]
@@ -231,14 +241,28 @@ class ZeroEngine(nn.Module):
         return load_engine(self, directory, verify=verify)
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes this rank holds, by kind: 16-bit (compute-dtype) params, grads, fp32 master, optimizer state."""
+        """Bytes this rank holds, by kind: 16-bit (compute-dtype) params, grads, fp32 master, optimizer
+        state, their total, and how much of the total is in host memory (offload) or on the device."""
         totals = {"params": 0, "grads": 0, "master": 0}
         for group in self.groups:
             for kind, nbytes in group.memory_bytes().items():
                 totals[kind] += nbytes
         totals["optimizer_state"] = self.optimizer.state_bytes()
+        # the offloaded step's 16-bit copies of the parameter shard, on their way to the device
+        totals["params"] += sum(copy.untyped_storage().nbytes() for copy in self.optimizer.host_copies())
         totals["total"] = sum(totals.values())
+        host = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.host_tensors()}
+        totals["host"] = sum(host.values())
+        totals["device"] = totals["total"] - totals["host"]
         return totals
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What CPU offload keeps in host memory: master and optimizer state, the stage 2-3 gradient
+        shard (and gradients in transit), the 16-bit copies the step writes, the stage 3 parameter shard."""
+        tensors = [t for group in self.groups for t in group.host_tensors()]
+        if self.config.offload_optimizer == "cpu":
+            tensors += self.optimizer.state_tensors() + self.optimizer.host_copies()
+        return tensors
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Calls and payload bytes per collective kind since the last reset."""

@@ -11,7 +11,8 @@ Which buffers exist is the stage's policy (see [Note: flat layout] in partition.
             while it is gathered
 
 "16-bit" is the compute dtype: fp32 when mixed precision is off. Parameters are views into their
-unit's full buffer. In stage 3 a released unit keeps its buffer object with a zero-byte storage,
+unit's full buffer. With CPU offload the master, the optimizer state, the stage 2-3 gradient shard
+and (`offload_param`) stage 3's 16-bit shard live in host memory instead (see [Note: offload]). In stage 3 a released unit keeps its buffer object with a zero-byte storage,
 so the views (and tensors autograd saved from them) see the data again once it is re-gathered.
 """
 
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from .collectives import Collectives
+from .offload import GradientsToHost, Placement, StagedGather, to_device
 from .partition import FlatLayout, Unit
 from .plan import GroupPlan
 
@@ -34,6 +36,7 @@ class FlatGroup:
         device: torch.device,
         collectives: Collectives,
         alignment: int = 1,
+        placement: Placement | None = None,
     ):
         self.index = plan.index
         self.params: list[nn.Parameter] = plan.params
@@ -50,13 +53,23 @@ class FlatGroup:
         )
         self.compute_dtype = compute_dtype
         self.device = device
+        self.placement = placement if placement is not None else Placement(device)
+        if self.placement.device != device:
+            raise ValueError(f"placement for {self.placement.device}, group on {device}")
         self.full: torch.Tensor | None = None
         self.shard: torch.Tensor | None = None
         self.full_grad: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None
         self.unit_full: list[torch.Tensor] = []
         self.param_views: list[torch.Tensor | None] = []  # until finish(): each parameter's view
-        self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
+        if self.placement.optimizer_on_host:
+            self.master = self.placement.host_zeros(self.layout.shard_numel, torch.float32)
+        else:
+            self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
+        # Stages 2-3 with the optimizer offloaded: reduced pieces on their way into the host shard.
+        self.gradients_to_host = (
+            GradientsToHost(self.placement) if self.placement.optimizer_on_host and stage >= 2 else None
+        )
 
     # ------------------------------------------------------------------ construction
     def build_from_params(self) -> None:
@@ -119,7 +132,11 @@ class FlatGroup:
     def finish(self) -> None:
         """Stage 3's 16-bit shard from the master, parameters pointed at the buffers, gradients allocated."""
         if self.stage == 3:
-            self.shard = self.master.to(self.compute_dtype, copy=True)
+            if self.placement.params_on_host:
+                self.shard = self.placement.host_empty(self.layout.shard_numel, self.compute_dtype)
+                self.shard.copy_(self.master)
+            else:
+                self.shard = self.master.to(device=self.device, dtype=self.compute_dtype, copy=True)
         self._point_params_at_buffers()
         self.param_views = []  # the parameters are the views now
         self._allocate_gradients()
@@ -139,6 +156,9 @@ class FlatGroup:
             self.full_grad = torch.zeros(self.layout.full_numel, dtype=self.compute_dtype, device=self.device)
             for slot, param in zip(self.layout.slots, self.params, strict=True):
                 param.grad = self.grad_view(slot.index)
+        elif self.placement.optimizer_on_host:
+            # fp32 on the host: micro-steps accumulate there without 16-bit rounding, as DeepSpeed's offload
+            self.shard_grad = self.placement.host_zeros(self.layout.shard_numel, torch.float32)
         else:
             self.shard_grad = torch.zeros(
                 self.layout.shard_numel, dtype=self.compute_dtype, device=self.device
@@ -160,6 +180,38 @@ class FlatGroup:
     def grad_pieces(self) -> list[torch.Tensor]:
         return [self.grad_piece(unit) for unit in self.layout.units]
 
+    def add_reduced_gradient(self, unit: Unit, reduced: torch.Tensor, alpha: float) -> None:
+        """Stages 2-3: this rank's shard piece of `unit` += `alpha` * `reduced` (a completed reduction)."""
+        piece = self.grad_piece(unit)
+        if self.gradients_to_host is not None:
+            self.gradients_to_host.add(piece, reduced, alpha)
+        else:
+            piece.add_(reduced, alpha=alpha)
+
+    def settle_gradients(self) -> None:
+        """Finish moving reduced gradients into the host shard (offload; backward's end)."""
+        if self.gradients_to_host is not None:
+            self.gradients_to_host.settle()
+
+    def step_gradient(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """This rank's gradient shard (unscaled; sums in stage 1) as one tensor in the shard layout,
+        next to the master: the gradient shard itself where it already is one (stages 2-3, `dtype`
+        None or its own), else a new tensor (`dtype`, default the compute dtype) the pieces are
+        copied into, from the device to the host when the optimizer is offloaded."""
+        grad = self.shard_grad
+        if grad is not None and grad.device == self.master.device and dtype in (None, grad.dtype):
+            return grad
+        dtype = dtype or (grad.dtype if grad is not None else self.compute_dtype)
+        if self.placement.optimizer_on_host:
+            target = self.placement.host_empty(self.layout.shard_numel, dtype)
+        else:
+            target = torch.empty(self.layout.shard_numel, dtype=dtype, device=self.master.device)
+        for unit, piece in zip(self.layout.units, self.grad_pieces(), strict=True):
+            self.layout.shard_piece(target, unit).copy_(piece, non_blocking=target.is_pinned())
+        if target.is_pinned():
+            torch.cuda.current_stream(self.device).synchronize()  # the host reads it next
+        return target
+
     @property
     def grad_divisor(self) -> int:
         """What the gradient pieces must be divided by to be means over ranks: stage 1 keeps sums
@@ -173,30 +225,38 @@ class FlatGroup:
     def gather(self, unit: Unit, async_op: bool = False):
         buffer = self.unit_full[unit.index]
         buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-        return self.collectives.all_gather(
-            buffer, self.layout.shard_piece(self.shard, unit), async_op=async_op
-        )
+        piece = self.layout.shard_piece(self.shard, unit)
+        if not self.placement.params_on_host:
+            return self.collectives.all_gather(buffer, piece, async_op=async_op)
+        staged = to_device(piece, self.device)  # offload_param: this rank's piece, just in time
+        handle = self.collectives.all_gather(buffer, staged, async_op=async_op)
+        return StagedGather(handle, staged) if async_op else handle
 
     def release(self, unit: Unit) -> None:
         self.unit_full[unit.index].untyped_storage().resize_(0)
 
     # ------------------------------------------------------------------ after the optimizer step
-    def write_back(self) -> None:
-        """Updated fp32 master shard → the 16-bit parameters every rank computes with."""
+    def write_back(self, updated: torch.Tensor | None = None) -> None:
+        """The updated shard → the 16-bit parameters every rank computes with. `updated` holds the new
+        values in the shard layout: the fp32 master (default), or the 16-bit copy an offloaded step
+        wrote on the host (which may be stage 3's host shard itself)."""
         layout = self.layout
+        updated = self.master if updated is None else updated
+        asynchronous = updated.is_pinned()  # host → device, ordered before the all-gathers below
         if self.stage == 0:
-            self.full.copy_(self.master)  # one shard: the shard layout is the full layout
+            self.full.copy_(updated)  # one shard: the shard layout is the full layout
             return
         handles = []
         if self.stage < 3:
             for unit in layout.units:
                 piece = layout.piece_view(self.full, unit, self.shard_rank)
-                piece.copy_(layout.shard_piece(self.master, unit))
+                piece.copy_(layout.shard_piece(updated, unit), non_blocking=asynchronous)
                 handles.append(
                     self.collectives.all_gather(layout.unit_view(self.full, unit), piece, async_op=True)
                 )
         else:
-            self.shard.copy_(self.master)
+            if updated is not self.shard:
+                self.shard.copy_(updated, non_blocking=asynchronous and not self.shard.is_pinned())
             for unit in layout.units:
                 if self.persistent[unit.index]:
                     handles.append(self.gather(unit, async_op=True))
@@ -224,3 +284,16 @@ class FlatGroup:
         )
         grads = size(self.full_grad) + size(self.shard_grad)
         return {"params": params, "grads": grads, "master": size(self.master)}
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The buffers offload keeps in host memory (see [Note: offload]), including gradients in transit."""
+        tensors = []
+        if self.placement.optimizer_on_host:
+            tensors.append(self.master)
+            if self.shard_grad is not None:
+                tensors.append(self.shard_grad)
+        if self.placement.params_on_host and self.shard is not None:
+            tensors.append(self.shard)
+        if self.gradients_to_host is not None:
+            tensors += self.gradients_to_host.staging()
+        return tensors

@@ -9,7 +9,8 @@ gradient of a unit has been accumulated, the unit's reduction is launched asynch
     stage 1: reduce-scatter it in place, so this rank's piece of the buffer holds the sum (kept as
              a sum until the step; the rest of the buffer is zeroed);
     stages 2-3: copy the unit's gradients into a bucket, free them, reduce-scatter the bucket
-             into a piece that is added to this rank's gradient shard (so micro-steps accumulate).
+             into a piece that is added to this rank's gradient shard (so micro-steps accumulate;
+             with the optimizer offloaded the shard is in host memory, see [Note: offload]).
 
 Sums become means (divided by the world size) when a reduction completes (stage 1: at the step). A callback queued on
 autograd's engine runs when backward ends: it reduces the units that never completed (parameters
@@ -120,6 +121,8 @@ class GradientReducer:
                     self._reduce(g, unit)
         while self._in_flight:
             self._complete_oldest()
+        for group in self.groups:
+            group.settle_gradients()
         self._reset()
         self._backward_active = False
         if self.on_backward_end is not None:
@@ -164,11 +167,10 @@ class GradientReducer:
             bucket.narrow(0, used, unit.numel - used).zero_()
             reduced = torch.empty(unit.piece, dtype=group.compute_dtype, device=group.device)
             handle = self.collectives.reduce_scatter(reduced, bucket, async_op=True)
-            shard_piece = group.grad_piece(unit)
 
-            def accumulate(bucket=bucket, reduced=reduced, shard_piece=shard_piece) -> None:
+            def accumulate(bucket=bucket, reduced=reduced, unit=unit) -> None:
                 del bucket  # kept alive until the collective has read it
-                shard_piece.add_(reduced, alpha=1.0 / world)
+                group.add_reduced_gradient(unit, reduced, alpha=1.0 / world)
 
             self._in_flight.append(_InFlight(handle, accumulate))
             while len(self._in_flight) > MAX_BUCKETS_IN_FLIGHT:

@@ -8,10 +8,15 @@ turning `param_groups[i]["lr"]`. Only its state is reset (it described the unsha
 Element-wise optimizers (SGD, Adam, AdamW, ...) compute exactly what they would unsharded.
 Optimizers that reduce over whole tensors (LAMB's trust ratio, Adafactor's factored moments) see
 shards instead and are not equivalent, as in every ZeRO implementation.
+
+With the optimizer offloaded (see [Note: offload]) the master shards are host tensors. Adam and
+AdamW then step through `CPUAdam` over the same param groups and state, which also writes the
+16-bit copy that goes back to the device; other optimizers step the host tensors themselves.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 
@@ -20,6 +25,9 @@ import torch
 from .collectives import Collectives
 from .flat_group import FlatGroup
 from .loss_scaler import LossScaler
+from .offload import host_adam_for, host_adam_step
+
+logger = logging.getLogger(__name__)
 
 
 class ShardedOptimizer:
@@ -31,6 +39,7 @@ class ShardedOptimizer:
         loss_scaler: LossScaler,
         gradient_clipping: float,
         sharded: bool,
+        offloaded: bool = False,
     ):
         self.optimizer = optimizer
         self.groups = groups
@@ -48,16 +57,23 @@ class ShardedOptimizer:
         self.global_grad_norm: float | None = None
         self.step_was_skipped = False
         self._clip_request: tuple[float, float] | None = None  # (norm, max_norm) from clip_grad_norm_
+        self.host_adam = host_adam_for(optimizer) if offloaded else None
+        if offloaded:
+            kind = "CPUAdam" if self.host_adam is not None else f"{type(optimizer).__name__} itself"
+            logger.info("optimizer offloaded to the CPU: the step runs %s on host memory", kind)
+        # Where the offloaded step writes the updated 16-bit values: stage 3's host shard itself when
+        # parameters are offloaded too, else a pinned host buffer copied to the device (fp32: the master).
+        self._updated16 = [_host_16bit_shard(flat) if self.host_adam is not None else None for flat in groups]
 
     def grad_norm(self) -> float:
         """The global L2 norm of the (unscaled) gradients, over every rank's shard."""
-        device = self.groups[0].master.device
+        device = self.groups[0].device  # where the collectives run (offloaded pieces are on the host)
         squares = torch.zeros((), dtype=torch.float32, device=device)
         for flat in self.groups:
             pieces = [piece for piece in flat.grad_pieces() if piece.numel()]
             if pieces:
                 norms = torch._foreach_norm(pieces, 2, dtype=torch.float32)
-                squares += torch.stack(norms).pow(2).sum() / flat.grad_divisor**2
+                squares += (torch.stack(norms).pow(2).sum() / flat.grad_divisor**2).to(device)
         if self.sharded:
             self.collectives.all_reduce(squares)
         return math.sqrt(squares.item()) / self.loss_scaler.scale
@@ -97,15 +113,19 @@ class ShardedOptimizer:
         if clip > 0:
             # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6) when below 1.
             factor *= min(1.0, clip / (norm + 1e-6))
+        if self.host_adam is not None:
+            self._host_adam_step(factor)
+        else:
+            self._optimizer_step(factor)
+        self.step_was_skipped = False
+        self.loss_scaler.update(overflow=False)
+        return True
+
+    def _optimizer_step(self, factor: float) -> None:
+        """The user's optimizer over fp32 gradients (a fp32 gradient shard is used in place)."""
         for flat in self.groups:
             group_factor = factor / flat.grad_divisor
-            if flat.shard_grad is not None and flat.shard_grad.dtype == torch.float32:
-                # fp32 gradient shard (stages 2-3 without mixed precision): already the right tensor.
-                gradient = flat.shard_grad
-            else:
-                gradient = torch.empty_like(flat.master)
-                for unit, piece in zip(flat.layout.units, flat.grad_pieces(), strict=True):
-                    flat.layout.shard_piece(gradient, unit).copy_(piece)
+            gradient = flat.step_gradient(torch.float32)
             flat.master.grad = gradient.mul_(group_factor) if group_factor != 1.0 else gradient
         self._stepping = True
         try:
@@ -115,15 +135,47 @@ class ShardedOptimizer:
         for flat in self.groups:
             flat.master.grad = None
             flat.write_back()
-        self.step_was_skipped = False
-        self.loss_scaler.update(overflow=False)
-        return True
 
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state tensors (e.g. Adam's two moments) this rank holds."""
-        return sum(
-            value.untyped_storage().nbytes()
+    def _host_adam_step(self, factor: float) -> None:
+        """CPUAdam reads the gradient shards as they are, scaled as it reads them, and writes the 16-bit copies."""
+        divisors = {flat.grad_divisor for flat in self.groups}
+        assert len(divisors) == 1, "the gradient divisor depends only on the stage and the world size"
+        grads = [flat.step_gradient() for flat in self.groups]
+        self._stepping = True
+        try:
+            host_adam_step(self.host_adam, self.optimizer, grads, self._updated16, factor / divisors.pop())
+            # No gradients are set, so this updates nothing: it runs the optimizer's step hooks and
+            # the bookkeeping a learning-rate scheduler checks (that optimizer.step() was called).
+            self.optimizer.step()
+        finally:
+            self._stepping = False
+        for flat, updated in zip(self.groups, self._updated16, strict=True):
+            flat.write_back(updated)
+
+    def host_copies(self) -> list[torch.Tensor]:
+        """The host buffers the offloaded step writes 16-bit parameters into (other than stage 3's shard)."""
+        return [
+            buffer
+            for buffer, flat in zip(self._updated16, self.groups, strict=True)
+            if buffer is not None and buffer is not flat.shard
+        ]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [
+            value
             for state in self.optimizer.state.values()
             for value in state.values()
             if isinstance(value, torch.Tensor)
-        )
+        ]
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors (e.g. Adam's two moments) this rank holds."""
+        return sum(value.untyped_storage().nbytes() for value in self.state_tensors())
+
+
+def _host_16bit_shard(flat: FlatGroup) -> torch.Tensor | None:
+    if flat.compute_dtype == torch.float32:
+        return None  # no 16-bit copy: the fp32 master is what goes back to the device
+    if flat.placement.params_on_host:
+        return flat.shard
+    return flat.placement.host_empty(flat.layout.shard_numel, flat.compute_dtype)

@@ -60,6 +60,13 @@ def test_losses_match_the_committed_baseline(run):
     assert losses[-1] < losses[0]
 
 
+def test_an_offloaded_run_matches_the_same_baseline(cache, tmp_path):
+    """ZeRO-Offload selected from the run config: master weights and AdamW state on the CPU, the step
+    in CPUAdam; the losses are the committed (non-offloaded) baseline's."""
+    losses = launch(tmp_path / "offload", cache, "--zero.offload_optimizer", "cpu", "--train.save_every", "0")
+    assert losses == pytest.approx(json.loads(BASELINE.read_text())["losses"], rel=1e-4)
+
+
 def test_the_run_leaves_a_loadable_model_a_curve_and_checkpoints(run):
     output, _ = run
     model = TNLGForCausalLM.from_pretrained(output / "model")

@@ -43,12 +43,6 @@ def test_parameters_on_several_devices():
         initialize(model, optimizer, ZeroConfig(stage=1))
 
 
-def test_cpu_offload_is_refused_until_it_exists():
-    model = make_model()
-    with pytest.raises(ValueError, match="offload"):
-        initialize(model, make_optimizer(model), ZeroConfig(stage=2, offload_optimizer="cpu"))
-
-
 def test_invalid_config_dict():
     model = make_model()
     with pytest.raises(ValueError, match="stage"):

@@ -30,6 +30,7 @@ def train_engine(
     use_no_sync: bool = True,
     eval_between: bool = False,
     blocks: str = "no_split",
+    optimizer: str = "adamw",
     **config,
 ) -> dict:
     """`eval_between`: a no-grad forward between each forward and its backward; `blocks="children"`:
@@ -38,7 +39,7 @@ def train_engine(
     model = make_model()
     if blocks == "children":
         model._no_split_modules = []
-    engine = initialize(model, make_optimizer(model), ZeroConfig(**{**SMALL, **config}))
+    engine = initialize(model, make_optimizer(model, optimizer), ZeroConfig(**{**SMALL, **config}))
     losses, norms, skipped, scales = [], [], [], []
     for batch in batches(STEPS):
         input_ids, labels = local(batch, rank, world_size)

@@ -61,15 +61,19 @@ def make_model(seed: int = 0) -> AwkwardModel:
     return AwkwardModel()
 
 
-def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """Two param groups: decayed matrices, and undecayed biases / norms / vectors at another lr."""
+def make_optimizer(model: nn.Module, kind: str = "adamw") -> torch.optim.Optimizer:
+    """Two param groups: decayed matrices, and undecayed biases / norms / vectors at another lr.
+    `kind`: AdamW, Adam (weight decay added to the gradient) or SGD with momentum."""
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 3e-3}],
-        lr=1e-2,
-        betas=(0.9, 0.95),
-    )
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 3e-3}]
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95))
+    if kind == "adam":
+        return torch.optim.Adam(groups, lr=1e-2, betas=(0.9, 0.95))
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=1e-1, momentum=0.9)
+    raise ValueError(f"unknown optimizer kind {kind!r}")
 
 
 def batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -20,8 +20,8 @@ not autocast and a GradScaler layered on top.
 
 Selecting the engine from a launch: without `zero_config`, the environment decides:
 `TNLG_ZERO_CONFIG` (a DeepSpeed-style JSON or a ZeroConfig JSON), else `TNLG_ZERO_STAGE` (with
-optional `TNLG_ZERO_GRADIENT_CLIPPING`, `TNLG_ZERO_OVERLAP_COMM`). With neither, it is exactly an
-`Accelerator`.
+optional `TNLG_ZERO_GRADIENT_CLIPPING`, `TNLG_ZERO_OVERLAP_COMM`, and `TNLG_ZERO_OFFLOAD_OPTIMIZER` /
+`TNLG_ZERO_OFFLOAD_PARAM` set to `cpu` for ZeRO-Offload). With neither, it is exactly an `Accelerator`.
 """
 
 from __future__ import annotations
@@ -58,6 +58,10 @@ def zero_config_from_environment(mixed_precision: str | None = None) -> ZeroConf
         fields["gradient_clipping"] = float(os.environ["TNLG_ZERO_GRADIENT_CLIPPING"])
     if "TNLG_ZERO_OVERLAP_COMM" in os.environ:
         fields["overlap_comm"] = os.environ["TNLG_ZERO_OVERLAP_COMM"].lower() in ("1", "true", "yes")
+    for name in ("offload_optimizer", "offload_param"):
+        value = os.environ.get(f"TNLG_ZERO_{name.upper()}")
+        if value:
+            fields[name] = value.lower()
     if mixed_precision:
         fields["mixed_precision"] = mixed_precision
     return ZeroConfig(**fields)

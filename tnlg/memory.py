@@ -17,8 +17,11 @@ the blocks gathered around their use (see `_stage3_gathered_elements`). Not coun
 allocator fragmentation, the transient gradient buckets of stages 0-2, stage 3 prefetching (which
 may gather one more decoder layer, bounded by `ZeroConfig.max_live_parameters`) and alignment padding.
 
-CPU offload is estimated as DeepSpeed's ZeRO-Offload places it; tnlg's engine does not implement
-offload yet (`plan_sharding` rejects it).
+CPU offload is estimated as the engine places it (see [Note: offload] in sharding/offload.py):
+`offload_optimizer` moves the fp32 master and optimizer state to the host, and in stages 2-3 the
+gradient shard too (kept there in fp32); Adam's offloaded step also keeps a 16-bit copy of the
+shard on the host (`offload_copy`, except in stage 3 with `offload_param`, whose host shard it
+writes directly). `offload_param` moves stage 3's 16-bit parameter shard to the host.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class MemoryEstimate:
     `params`, `grads`, `master` and `optimizer_state` are the rank's model states (the 16-bit or fp32
     compute copy, its gradients, the fp32 master weights and e.g. Adam's moments), wherever they
     live. `gathered` is stage 3's working set of whole blocks, `activations` what forward keeps for
-    backward. `device_bytes` and `cpu_bytes` split the total by the offload settings.
+    backward. `offload_copy` is the host's 16-bit copy of the updated shard (offloaded Adam).
+    `device_bytes` and `cpu_bytes` split the total by the offload settings.
     """
 
     num_parameters: int
@@ -63,16 +67,20 @@ class MemoryEstimate:
     grads: int
     master: int
     optimizer_state: int
+    offload_copy: int = 0
     gathered: int = 0
     activations: int = 0
 
     @property
     def model_states(self) -> int:
-        return self.params + self.grads + self.master + self.optimizer_state
+        return self.params + self.grads + self.master + self.optimizer_state + self.offload_copy
 
     @property
     def cpu_bytes(self) -> int:
-        offloaded = self.master + self.optimizer_state if self.offload_optimizer == "cpu" else 0
+        offloaded = 0
+        if self.offload_optimizer == "cpu":
+            offloaded += self.master + self.optimizer_state + self.offload_copy
+            offloaded += self.grads if self.stage >= 2 else 0  # stage 1 keeps full gradients on the device
         return offloaded + (self.params if self.offload_param == "cpu" else 0)
 
     @property
@@ -108,6 +116,12 @@ def model_state_estimate(
     whole = num_parameters
     shard = math.ceil(num_parameters / world_size)
     optimizer_elements = whole if stage == 0 else shard  # stage >= 1 partitions master + optimizer
+    host_optimizer = offload_optimizer == "cpu"
+    # offloaded stages 2-3 accumulate the gradient shard on the host in fp32
+    grad_bytes = FP32_BYTES if host_optimizer and stage >= 2 else compute
+    # offloaded Adam writes the 16-bit values into a host buffer, or straight into an offloaded shard
+    writes_copy = host_optimizer and compute < FP32_BYTES and optimizer in ("adam", "adamw")
+    offload_copy = compute * shard if writes_copy and offload_param != "cpu" else 0
     return MemoryEstimate(
         num_parameters=num_parameters,
         world_size=world_size,
@@ -116,9 +130,10 @@ def model_state_estimate(
         offload_optimizer=offload_optimizer,
         offload_param=offload_param,
         params=compute * (shard if stage == 3 else whole),
-        grads=compute * (shard if stage >= 2 else whole),
+        grads=grad_bytes * (shard if stage >= 2 else whole),
         master=FP32_BYTES * optimizer_elements,
         optimizer_state=OPTIMIZER_STATE_BYTES[optimizer] * optimizer_elements,
+        offload_copy=offload_copy,
     )
 
 
