@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 STAGES = (0, 1, 2, 3)
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
 OFFLOAD_DEVICES = ("none", "cpu")
+FUSED_ADAM_CHOICES = ("auto", "cuda", "triton", "reference", "none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +52,10 @@ class ZeroConfig:
         communication).
     offload_optimizer: `cpu` keeps fp32 master weights and optimizer state in CPU memory (stages 1-3).
     offload_param: `cpu` keeps the partitioned 16-bit parameters in CPU memory (stage 3).
+    fused_adam: how a torch Adam / AdamW steps the device shards (offloaded ones always use
+        `CPUAdam`): `auto` runs the fused kernel on CUDA (the CUDA extension, else Triton) and torch's
+        own step elsewhere; `cuda`, `triton` or `reference` force that kernel (Triton on CPU tensors
+        needs TRITON_INTERPRET=1); `none` always runs the user's optimizer.
     """
 
     stage: int = 0
@@ -69,6 +74,7 @@ class ZeroConfig:
     reshard_after_forward: bool = True
     offload_optimizer: str = "none"
     offload_param: str = "none"
+    fused_adam: str = "auto"
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -307,6 +313,7 @@ _CHOICES = {
     "mixed_precision": MIXED_PRECISIONS,
     "offload_optimizer": OFFLOAD_DEVICES,
     "offload_param": OFFLOAD_DEVICES,
+    "fused_adam": FUSED_ADAM_CHOICES,
 }
 _INT_MINIMUMS = {
     "reduce_bucket_size": 1,

@@ -116,6 +116,7 @@ class ZeroEngine(nn.Module):
             self.config.gradient_clipping,
             sharded=self.config.stage >= 1,
             offloaded=placement.optimizer_on_host,
+            fused_adam=_fused_adam_backend(self.config.fused_adam, target),
         )
         self.scheduler = (
             ParameterScheduler(plan.blocks, self.groups, self.config, self.collectives)
@@ -319,6 +320,14 @@ def _pretrained_source(
     if pretrained is None:
         return getattr(module, SOURCE_ATTRIBUTE, None)
     return pretrained if isinstance(pretrained, PretrainedSource) else PretrainedSource(str(pretrained))
+
+
+def _fused_adam_backend(choice: str, device: torch.device) -> str:
+    """`ZeroConfig.fused_adam` for this device: "auto" means the fused kernels on CUDA only (on CPU,
+    torch's own fused Adam is faster than the reference and Triton has no CPU backend)."""
+    if choice == "auto":
+        return "auto" if device.type == "cuda" else "none"
+    return choice
 
 
 def _check_backend(device: torch.device, collectives: Collectives) -> None:

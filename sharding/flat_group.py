@@ -199,6 +199,8 @@ class FlatGroup:
         None or its own), else a new tensor (`dtype`, default the compute dtype) the pieces are
         copied into, from the device to the host when the optimizer is offloaded."""
         grad = self.shard_grad
+        if self.layout.num_shards == 1 and self.full_grad is not None:
+            grad = self.full_grad  # stage 0: one shard, so the full gradient is in the shard layout
         if grad is not None and grad.device == self.master.device and dtype in (None, grad.dtype):
             return grad
         dtype = dtype or (grad.dtype if grad is not None else self.compute_dtype)
@@ -244,7 +246,8 @@ class FlatGroup:
         updated = self.master if updated is None else updated
         asynchronous = updated.is_pinned()  # host → device, ordered before the all-gathers below
         if self.stage == 0:
-            self.full.copy_(updated)  # one shard: the shard layout is the full layout
+            if updated is not self.full:
+                self.full.copy_(updated)  # one shard: the shard layout is the full layout
             return
         handles = []
         if self.stage < 3:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import CPUAdam
+from .kernels.fused_adam import steps_like_adam
 
 HOST = torch.device("cpu")
 
@@ -123,19 +124,11 @@ class GradientsToHost:
 
 
 def host_adam_for(optimizer: torch.optim.Optimizer) -> CPUAdam | None:
-    """A `CPUAdam` that can step `optimizer`'s param groups and state in its place (torch's Adam and
-    AdamW, or a CPUAdam, with float hyperparameters and none of the options it lacks); None where
-    the optimizer must step itself."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, CPUAdam):
+    """A `CPUAdam` that can step `optimizer`'s param groups and state in its place (see
+    `steps_like_adam`); None where the optimizer must step itself."""
+    if not steps_like_adam(optimizer):
         return None
-    for group in optimizer.param_groups:
-        numbers = [group["lr"], group["eps"], group["weight_decay"], *group["betas"]]
-        if any(isinstance(value, torch.Tensor) for value in numbers):
-            return None
-        if group.get("maximize") or group.get("differentiable") or "decoupled_weight_decay" not in group:
-            return None
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return CPUAdam(params)
+    return CPUAdam([p for group in optimizer.param_groups for p in group["params"]])
 
 
 def host_adam_step(

@@ -12,6 +12,11 @@ shards instead and are not equivalent, as in every ZeRO implementation.
 With the optimizer offloaded (see [Note: offload]) the master shards are host tensors. Adam and
 AdamW then step through `CPUAdam` over the same param groups and state, which also writes the
 16-bit copy that goes back to the device; other optimizers step the host tensors themselves.
+On the device, Adam and AdamW step through a fused kernel (`ZeroConfig.fused_adam`; by default on
+CUDA): one launch per param group reads the 16-bit gradient shard as it is, scaled as it reads it,
+and in stages 0 and 3 writes the 16-bit parameters straight into the buffer they are gathered from.
+Either way the user's optimizer keeps torch's state, and its `step()` still runs, with no
+gradients, so that its hooks and a learning-rate scheduler see the step.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 
 from .collectives import Collectives
 from .flat_group import FlatGroup
+from .kernels.fused_adam import fused_adam_group, steps_like_adam
 from .loss_scaler import LossScaler
 from .offload import host_adam_for, host_adam_step
 
@@ -40,6 +46,7 @@ class ShardedOptimizer:
         gradient_clipping: float,
         sharded: bool,
         offloaded: bool = False,
+        fused_adam: str = "none",
     ):
         self.optimizer = optimizer
         self.groups = groups
@@ -64,6 +71,10 @@ class ShardedOptimizer:
         # Where the offloaded step writes the updated 16-bit values: stage 3's host shard itself when
         # parameters are offloaded too, else a pinned host buffer copied to the device (fp32: the master).
         self._updated16 = [_host_16bit_shard(flat) if self.host_adam is not None else None for flat in groups]
+        # The device's fused Adam kernel ("auto", "cuda", "triton", "reference"), or None.
+        self.fused_backend = (
+            fused_adam if not offloaded and fused_adam != "none" and steps_like_adam(optimizer) else None
+        )
 
     def grad_norm(self) -> float:
         """The global L2 norm of the (unscaled) gradients, over every rank's shard."""
@@ -115,6 +126,8 @@ class ShardedOptimizer:
             factor *= min(1.0, clip / (norm + 1e-6))
         if self.host_adam is not None:
             self._host_adam_step(factor)
+        elif self.fused_backend is not None:
+            self._fused_adam_step(factor)
         else:
             self._optimizer_step(factor)
         self.step_was_skipped = False
@@ -152,6 +165,22 @@ class ShardedOptimizer:
         for flat, updated in zip(self.groups, self._updated16, strict=True):
             flat.write_back(updated)
 
+    def _fused_adam_step(self, factor: float) -> None:
+        """A fused Adam kernel per param group on the device shards (see the module docstring)."""
+        self._stepping = True
+        try:
+            for flat, group in zip(self.groups, self.optimizer.param_groups, strict=True):
+                state = self.optimizer.state[flat.master]
+                out16 = _device_16bit_target(flat)
+                fused_adam_group(
+                    flat.master, flat.step_gradient(), group, state,
+                    grad_scale=factor / flat.grad_divisor, out16=out16, backend=self.fused_backend,
+                )  # fmt: skip
+                flat.write_back(out16)
+            self.optimizer.step()  # no gradients: hooks and scheduler bookkeeping only
+        finally:
+            self._stepping = False
+
     def host_copies(self) -> list[torch.Tensor]:
         """The host buffers the offloaded step writes 16-bit parameters into (other than stage 3's shard)."""
         return [
@@ -179,3 +208,13 @@ def _host_16bit_shard(flat: FlatGroup) -> torch.Tensor | None:
     if flat.placement.params_on_host:
         return flat.shard
     return flat.placement.host_empty(flat.layout.shard_numel, flat.compute_dtype)
+
+
+def _device_16bit_target(flat: FlatGroup) -> torch.Tensor | None:
+    """Where a device fused step can write the 16-bit parameters in the shard layout: stage 3's shard
+    and stage 0's full buffer (one shard: the same layout); stages 1-2 cast from the master instead."""
+    if flat.compute_dtype == torch.float32:
+        return None
+    if flat.stage == 3 and not flat.placement.params_on_host:
+        return flat.shard
+    return flat.full if flat.stage == 0 else None

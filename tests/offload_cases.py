@@ -85,3 +85,25 @@ def checkpoint_across_offload(rank: int, world_size: int, directory: str) -> dic
         losses = _steps(engine, rank, world_size, range(3, 6))
         results[name] = {"losses": losses, "state": engine.full_state_dict()}
     return results
+
+
+def fused_adam_matrix(rank: int, world_size: int) -> dict:
+    """The engine's device step through a fused Adam kernel, against the same runs through torch's AdamW."""
+    results = {}
+    for stage in (0, 1, 2, 3):
+        for precision in ("no", "bf16"):
+            for backend in ("none", "reference"):
+                results[(stage, precision, backend)] = train_engine(
+                    rank, world_size, stage=stage, mixed_precision=precision, fused_adam=backend
+                )
+    for stage in (0, 3):
+        results[(stage, "bf16", "triton")] = train_engine(
+            rank, world_size, stage=stage, mixed_precision="bf16", fused_adam="triton"
+        )
+    results[(2, "no", "reference-clip")] = train_engine(
+        rank, world_size, stage=2, fused_adam="reference", gradient_clipping=0.05, accumulation=2
+    )
+    results[(2, "no", "none-clip")] = train_engine(
+        rank, world_size, stage=2, gradient_clipping=0.05, accumulation=2
+    )
+    return results
