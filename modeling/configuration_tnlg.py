@@ -12,6 +12,8 @@ from typing import Any
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
+FUSED_CHOICES = ("auto", "triton", "none")  # TNLGConfig.fused_kernels
+
 # GPT-2's byte-level BPE has 50257 tokens. Megatron pads the embedding table to a multiple of
 # `make_vocab_size_divisible_by` (128) times the tensor-parallel size so that every shard is
 # aligned; with one tensor-parallel rank that is 50304, the size every preset uses (the
@@ -74,6 +76,10 @@ class TNLGConfig(PreTrainedConfig):
         embedding_dropout, attention_dropout, hidden_dropout: dropout probabilities.
         use_cache: return a KV cache from forward by default.
         tie_word_embeddings: the output layer shares the token embedding matrix.
+        fused_kernels: the Triton LayerNorm, bias + GeLU (`gelu_new` only) and chunked LM-head
+            cross-entropy of `fused_ops.py`: `auto` uses them on CUDA tensors when Triton is installed
+            (so not on CPU), `triton` always (CPU tensors need TRITON_INTERPRET=1), `none` never. The
+            fused loss returns no logits when given labels (they are never made in full).
     """
 
     model_type = "tnlg"
@@ -96,6 +102,7 @@ class TNLGConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = GPT2_VOCAB_SIZE - 1
     pad_token_id: int | None = None
     tie_word_embeddings: bool = True
+    fused_kernels: str = "auto"
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.intermediate_size is None:
@@ -137,6 +144,10 @@ class TNLGConfig(PreTrainedConfig):
             raise ValueError(
                 f"TNLGConfig.hidden_act {self.hidden_act!r} is not a parameter-free activation Transformers "
                 f"knows; allowed: {allowed}"
+            )
+        if self.fused_kernels not in FUSED_CHOICES:
+            raise ValueError(
+                f"TNLGConfig.fused_kernels must be one of {list(FUSED_CHOICES)}, got {self.fused_kernels!r}"
             )
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)

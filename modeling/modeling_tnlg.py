@@ -25,6 +25,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from . import fused_ops
 from .configuration_tnlg import TNLGConfig
 from .loading import check_tied_output_layer, raise_on_mismatch
 
@@ -110,6 +111,18 @@ class TNLGAttention(nn.Module):
         return self.resid_dropout(self.out_proj(output)), weights
 
 
+class TNLGLayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` (same parameters and state dict) that runs the fused Triton kernel when
+    `config.fused_kernels` selects it for the input (see fused_ops.py)."""
+
+    def __init__(self, config: TNLGConfig):
+        super().__init__(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.fused = config.fused_kernels
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return fused_ops.layer_norm(hidden_states, self.weight, self.bias, self.eps, self.fused)
+
+
 class TNLGMLP(nn.Module):
     """H → intermediate → H with a GeLU between (4H wide by default)."""
 
@@ -119,9 +132,17 @@ class TNLGMLP(nn.Module):
         self.act = ACT2FN[config.hidden_act]
         self.fc_out = TNLGResidualLinear(config.intermediate_size, config.hidden_size)
         self.dropout = nn.Dropout(config.hidden_dropout)
+        # Megatron's fused bias-GeLU: the bias add and the tanh GeLU in one pass (gelu_new only).
+        self.fused = config.fused_kernels if config.hidden_act == "gelu_new" else "none"
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.fc_out(self.act(self.fc_in(hidden_states))))
+        if fused_ops.use_triton(self.fused, hidden_states):
+            activated = fused_ops.bias_gelu(
+                nn.functional.linear(hidden_states, self.fc_in.weight), self.fc_in.bias, self.fused
+            )
+        else:
+            activated = self.act(self.fc_in(hidden_states))
+        return self.dropout(self.fc_out(activated))
 
 
 class TNLGBlock(GradientCheckpointingLayer):
@@ -133,9 +154,9 @@ class TNLGBlock(GradientCheckpointingLayer):
 
     def __init__(self, config: TNLGConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.input_layernorm = TNLGLayerNorm(config)
         self.self_attn = TNLGAttention(config, layer_idx)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.post_attention_layernorm = TNLGLayerNorm(config)
         self.mlp = TNLGMLP(config)
 
     def forward(
@@ -222,7 +243,7 @@ class TNLGModel(TNLGPreTrainedModel):
         self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.embed_dropout = nn.Dropout(config.embedding_dropout)
         self.layers = nn.ModuleList([TNLGBlock(config, i) for i in range(config.num_hidden_layers)])
-        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.final_layernorm = TNLGLayerNorm(config)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -356,6 +377,19 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
                 "labels need the logits of every position: do not combine them with logits_to_keep"
             )
         hidden_states = outputs.last_hidden_state
+        if labels is not None and fused_ops.use_triton(self.config.fused_kernels, hidden_states):
+            # The LM head and its loss chunk by chunk: the (B, T, V) logits are never made.
+            targets = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # position t predicts t + 1
+            loss = fused_ops.linear_cross_entropy(
+                hidden_states.reshape(-1, hidden_states.shape[-1]), self.lm_head.weight, targets.reshape(-1),
+                num_items=kwargs.get("num_items_in_batch"), choice=self.config.fused_kernels,
+            )  # fmt: skip
+            return CausalLMOutputWithPast(
+                loss=loss,
+                past_key_values=outputs.past_key_values,
+                hidden_states=outputs.hidden_states,
+                attentions=outputs.attentions,
+            )
         # Generation needs only the last position's logits: skip the (B, T, V) matmul for the rest.
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])  # (B, T', V)

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors in Triton's interpreter. It must be chosen before triton is
+    # imported (importing transformers may import it): triton.language's own helpers are jit
+    # functions decorated at import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import tnlg  # noqa: F401  (registers the Auto classes)
 from tnlg import TNLGConfig, TNLGForCausalLM

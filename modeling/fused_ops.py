@@ -1,0 +1,332 @@
+"""Fused model kernels in Triton, each next to the plain-PyTorch reference it must equal.
+
+- `layer_norm`: one program per row, statistics in fp32, output in the input's dtype; backward
+  computes the input gradient per row in Triton and the weight / bias gradients as torch sums.
+- `bias_gelu`: GeLU (tanh approximation, `gelu_new`) of `x + bias` in one elementwise pass, forward
+  and backward, keeping only `x` for backward (as the unfused pair keeps the linear's output).
+- `linear_cross_entropy`: the LM head and its loss over row chunks. A chunk's logits (chunk x vocab,
+  in the compute dtype) are made, a Triton kernel turns each row into its loss and, in place, its
+  logit gradient (online softmax over vocabulary blocks), and the chunk's input and weight gradients
+  follow by two matmuls. The full (tokens x vocab) logits, let alone in fp32, never exist: at
+  Ψ-scale vocabularies that tensor is often the largest of the step.
+
+`TNLGConfig.fused_kernels` selects them: `auto` (Triton on CUDA tensors when Triton is installed,
+the references elsewhere, so off on CPU), `triton` (always; CPU tensors need TRITON_INTERPRET=1,
+which is how the tests run them) or `none`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .configuration_tnlg import FUSED_CHOICES
+
+__all__ = ["FUSED_CHOICES", "bias_gelu", "layer_norm", "linear_cross_entropy", "use_triton"]
+
+CROSS_ENTROPY_CHUNK_ROWS = 4096  # rows of logits alive at once in linear_cross_entropy
+GELU_SCALE = math.sqrt(2.0 / math.pi)
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(choice: str, tensor: torch.Tensor) -> bool:
+    """Whether `TNLGConfig.fused_kernels` = `choice` runs the Triton kernels on `tensor`."""
+    if choice == "none":
+        return False
+    if choice == "triton":
+        if not triton_available():
+            raise RuntimeError(
+                "TNLGConfig.fused_kernels='triton' needs Triton installed (pip install triton)"
+            )
+        return True
+    return tensor.is_cuda and triton_available()
+
+
+# ---------------------------------------------------------------------------- references
+def layer_norm_reference(x, weight, bias, eps):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """`gelu_new` of x + bias, as Transformers' ACT2FN["gelu_new"] computes it."""
+    z = x + bias
+    return 0.5 * z * (1.0 + torch.tanh(GELU_SCALE * (z + 0.044715 * torch.pow(z, 3.0))))
+
+
+def linear_cross_entropy_reference(hidden, weight, targets, ignore_index=-100, num_items=None):
+    """Mean (or sum / `num_items`) cross-entropy of `hidden @ weight.T`, logits upcast to fp32."""
+    logits = (hidden @ weight.T).float()
+    if num_items is None:
+        return F.cross_entropy(logits, targets, ignore_index=ignore_index)
+    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum") / num_items
+
+
+# ---------------------------------------------------------------------------- Triton kernels
+@functools.cache
+def _kernels():
+    """Defined on first use: `triton.jit` reads TRITON_INTERPRET when it decorates."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def layer_norm_forward(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=0) / n_cols
+        centered = tl.where(mask, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = centered * rstd * w + b
+        tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
+
+    @triton.jit
+    def layer_norm_backward(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + row)
+        rstd = tl.load(rstd_ptr + row)
+        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        wdy = w * dy
+        c1 = tl.sum(xhat * wdy, axis=0) / n_cols
+        c2 = tl.sum(wdy, axis=0) / n_cols
+        dx = (wdy - (xhat * c1 + c2)) * rstd
+        tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+    # tanh(u) is written as 1 - 2 / (exp(2u) + 1) below, with 2u clamped to [-40, 40] where tanh is
+    # +-1 in fp32 (no overflow); a jit helper defined in this closure would not resolve in a kernel.
+    @triton.jit
+    def bias_gelu_forward(x_ptr, b_ptr, y_ptr, n, n_cols, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        z = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        z += tl.load(b_ptr + offsets % n_cols, mask=mask, other=0.0).to(tl.float32)
+        u2 = tl.minimum(tl.maximum(2.0 * 0.7978845608028654 * (z + 0.044715 * z * z * z), -40.0), 40.0)
+        t = 1.0 - 2.0 / (tl.exp(u2) + 1.0)
+        tl.store(y_ptr + offsets, (0.5 * z * (1.0 + t)).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def bias_gelu_backward(dy_ptr, x_ptr, b_ptr, dx_ptr, n, n_cols, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        z = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        z += tl.load(b_ptr + offsets % n_cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        u2 = tl.minimum(tl.maximum(2.0 * 0.7978845608028654 * (z + 0.044715 * z * z * z), -40.0), 40.0)
+        t = 1.0 - 2.0 / (tl.exp(u2) + 1.0)
+        slope = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (
+            1.0 + 3.0 * 0.044715 * z * z
+        )
+        tl.store(dx_ptr + offsets, (dy * slope).to(dx_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def cross_entropy_rows(
+        logits_ptr,
+        targets_ptr,
+        loss_ptr,
+        n_cols,
+        scale,
+        ignore_index,
+        BLOCK: tl.constexpr,
+        NUM_BLOCKS: tl.constexpr,
+    ):
+        """Per row: loss = logsumexp - target logit; the logits become (softmax - onehot) * scale."""
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * n_cols
+        target = tl.load(targets_ptr + row)
+        ignored = target == ignore_index
+        running_max = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+        running_sum = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+        for block in range(NUM_BLOCKS):
+            cols = block * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(x, axis=0))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            running_max = new_max
+        lse = running_max + tl.log(running_sum)
+        safe_target = tl.where(ignored, 0, target)
+        target_logit = tl.load(base + safe_target).to(tl.float32)
+        tl.store(loss_ptr + row, tl.where(ignored, 0.0, lse - target_logit))
+        row_scale = tl.where(ignored, 0.0, scale)
+        for block in range(NUM_BLOCKS):
+            cols = block * BLOCK + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+            grad = tl.exp(x - lse) - tl.where(cols == safe_target, 1.0, 0.0)
+            tl.store(base + cols, (grad * row_scale).to(logits_ptr.dtype.element_ty), mask=mask)
+
+    return {
+        "layer_norm_forward": layer_norm_forward,
+        "layer_norm_backward": layer_norm_backward,
+        "bias_gelu_forward": bias_gelu_forward,
+        "bias_gelu_backward": bias_gelu_backward,
+        "cross_entropy_rows": cross_entropy_rows,
+    }
+
+
+def _row_block(n_cols: int) -> int:
+    return 1 << max(0, (n_cols - 1).bit_length())
+
+
+def _warps(block: int) -> int:
+    return max(1, min(16, block // 256))
+
+
+# ---------------------------------------------------------------------------- LayerNorm
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        rows, cols = x2.shape
+        y = torch.empty_like(x2)
+        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        block = _row_block(cols)
+        if rows:
+            _kernels()["layer_norm_forward"][(rows,)](
+                x2, weight, bias, y, mean, rstd, cols, eps, BLOCK=block, num_warps=_warps(block)
+            )
+        ctx.save_for_backward(x2, weight, mean, rstd)
+        ctx.shape = shape
+        return y.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, mean, rstd = ctx.saved_tensors
+        rows, cols = x2.shape
+        dy2 = dy.reshape(rows, cols).contiguous()
+        dx = torch.empty_like(x2)
+        block = _row_block(cols)
+        if rows:
+            _kernels()["layer_norm_backward"][(rows,)](
+                dy2, x2, weight, mean, rstd, dx, cols, BLOCK=block, num_warps=_warps(block)
+            )
+        xhat = (x2.float() - mean[:, None]) * rstd[:, None]
+        dweight = (dy2.float() * xhat).sum(0).to(weight.dtype)
+        dbias = dy2.float().sum(0).to(weight.dtype)
+        return dx.reshape(ctx.shape), dweight, dbias, None
+
+
+def layer_norm(x, weight, bias, eps, choice: str = "triton"):
+    """LayerNorm over the last dimension (Triton when `use_triton(choice, x)`, else torch's)."""
+    if not use_triton(choice, x):
+        return layer_norm_reference(x, weight, bias, eps)
+    return _LayerNorm.apply(x, weight, bias, eps)
+
+
+# ---------------------------------------------------------------------------- bias + GeLU
+ELEMENTWISE_BLOCK = 1024
+
+
+class _BiasGelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias):
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        n = x.numel()
+        if n:
+            grid = (triton_cdiv(n, ELEMENTWISE_BLOCK),)
+            _kernels()["bias_gelu_forward"][grid](x, bias, y, n, x.shape[-1], BLOCK=ELEMENTWISE_BLOCK)
+        ctx.save_for_backward(x, bias)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, bias = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch.empty_like(x)
+        n = x.numel()
+        if n:
+            grid = (triton_cdiv(n, ELEMENTWISE_BLOCK),)
+            _kernels()["bias_gelu_backward"][grid](dy, x, bias, dx, n, x.shape[-1], BLOCK=ELEMENTWISE_BLOCK)
+        dbias = dx.reshape(-1, x.shape[-1]).float().sum(0).to(bias.dtype)
+        return dx, dbias
+
+
+def bias_gelu(x, bias, choice: str = "triton"):
+    """`gelu_new(x + bias)` in one pass (Triton when `use_triton(choice, x)`)."""
+    if not use_triton(choice, x):
+        return bias_gelu_reference(x, bias)
+    return _BiasGelu.apply(x, bias)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------- LM head + cross-entropy
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Loss and both gradients computed chunk by chunk in forward; backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index, num_items, chunk_rows):
+        rows, vocab = hidden.shape[0], weight.shape[0]
+        count = num_items if num_items is not None else int((targets != ignore_index).sum())
+        scale = 1.0 / max(count, 1)
+        grad_hidden = torch.empty_like(hidden)
+        # Accumulated in the weight's dtype, one matmul per chunk (each accumulating in fp32 inside).
+        grad_weight = torch.zeros_like(weight)
+        losses = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        block = min(_row_block(vocab), 4096)
+        for start in range(0, rows, chunk_rows):
+            end = min(start + chunk_rows, rows)
+            chunk = hidden[start:end]
+            logits = chunk @ weight.T  # (C, V) in the compute dtype; becomes its own gradient below
+            _kernels()["cross_entropy_rows"][(end - start,)](
+                logits, targets[start:end], losses[start:end], vocab, scale, ignore_index,
+                BLOCK=block, NUM_BLOCKS=triton_cdiv(vocab, block), num_warps=_warps(block),
+            )  # fmt: skip
+            torch.matmul(logits, weight, out=grad_hidden[start:end])
+            grad_weight.addmm_(logits.T, chunk)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return losses.sum() * scale
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_loss.float()
+        return (
+            (grad_hidden * scale).to(grad_hidden.dtype),
+            (grad_weight * scale).to(grad_weight.dtype),
+            *[None] * 4,
+        )
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    num_items: int | None = None,
+    choice: str = "triton",
+    chunk_rows: int = CROSS_ENTROPY_CHUNK_ROWS,
+) -> torch.Tensor:
+    """Cross-entropy of `hidden (N, H) @ weight.T (V, H)` against `targets (N,)`: the mean over
+    non-ignored rows, or the sum divided by `num_items` (Transformers' `num_items_in_batch`)."""
+    if not use_triton(choice, hidden):
+        return linear_cross_entropy_reference(hidden, weight, targets, ignore_index, num_items)
+    if isinstance(num_items, torch.Tensor):
+        num_items = int(num_items.item())
+    return _LinearCrossEntropy.apply(
+        hidden.contiguous(), weight, targets.contiguous(), ignore_index, num_items, chunk_rows
+    )

@@ -1,0 +1,125 @@
+"""Fused model kernels (Triton LayerNorm, bias + GeLU, chunked LM-head cross-entropy) against their
+references, forward and backward, on CPU under TRITON_INTERPRET=1 (and on CUDA when there is one); the
+model gives the same loss and gradients with them on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tnlg import TNLGConfig, TNLGForCausalLM
+from tnlg.modeling import fused_ops
+
+pytestmark = pytest.mark.skipif(not fused_ops.triton_available(), reason="triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def gradients(output: torch.Tensor, inputs: list[torch.Tensor], seed: int = 5) -> list[torch.Tensor]:
+    upstream = torch.randn(output.shape, generator=torch.Generator().manual_seed(seed)).to(output)
+    return list(torch.autograd.grad(output, inputs, upstream))
+
+
+def leaves(*tensors: torch.Tensor, dtype=torch.float32) -> list[torch.Tensor]:
+    return [t.to(DEVICE, dtype).requires_grad_() for t in tensors]
+
+
+# bf16 runs are compared with the fp32 reference of the same bf16 inputs: the kernels compute in
+# fp32 and round once, so they sit within a few bf16 roundings (2^-8) of it.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [48, 100])  # 100: a row shorter than its power-of-two block
+def test_layer_norm_matches_torch(dtype, width):
+    generator = torch.Generator().manual_seed(width)
+    x, weight, bias = leaves(
+        torch.randn(3, 7, width, generator=generator) * 2 + 1,
+        torch.randn(width, generator=generator),
+        torch.randn(width, generator=generator),
+        dtype=dtype,
+    )
+    y = fused_ops.layer_norm(x, weight, bias, 1e-5, "triton")
+    expected_inputs = [t.detach().float().requires_grad_() for t in (x, weight, bias)]
+    expected = fused_ops.layer_norm_reference(*expected_inputs, 1e-5)
+    assert y.dtype == dtype and relative_error(y, expected) <= TOLERANCE[dtype]
+    for got, want in zip(gradients(y, [x, weight, bias]), gradients(expected, expected_inputs), strict=True):
+        assert relative_error(got, want) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_gelu_matches_gelu_new(dtype):
+    generator = torch.Generator().manual_seed(0)
+    x, bias = leaves(
+        torch.randn(5, 3, 96, generator=generator) * 4, torch.randn(96, generator=generator), dtype=dtype
+    )
+    y = fused_ops.bias_gelu(x, bias, "triton")
+    expected_inputs = [t.detach().float().requires_grad_() for t in (x, bias)]
+    expected = fused_ops.bias_gelu_reference(*expected_inputs)
+    from transformers.activations import ACT2FN
+
+    torch.testing.assert_close(expected, ACT2FN["gelu_new"](expected_inputs[0] + expected_inputs[1]))
+    assert relative_error(y, expected) <= TOLERANCE[dtype]
+    for got, want in zip(gradients(y, [x, bias]), gradients(expected, expected_inputs), strict=True):
+        assert relative_error(got, want) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("num_items", [None, 50])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_cross_entropy_matches_the_full_one(dtype, num_items):
+    """5000 classes: two vocabulary blocks for the online softmax; 37 rows in chunks of 16; ignored rows."""
+    generator = torch.Generator().manual_seed(1)
+    hidden, weight = leaves(
+        torch.randn(37, 32, generator=generator),
+        torch.randn(5000, 32, generator=generator) * 0.3,
+        dtype=dtype,
+    )
+    targets = torch.randint(0, 5000, (37,), generator=generator)
+    targets[[0, 5, 36]] = -100
+    targets = targets.to(DEVICE)
+    loss = fused_ops.linear_cross_entropy(hidden, weight, targets, num_items=num_items, chunk_rows=16)
+    expected_inputs = [t.detach().float().requires_grad_() for t in (hidden, weight)]
+    expected = fused_ops.linear_cross_entropy_reference(*expected_inputs, targets, num_items=num_items)
+    assert loss.item() == pytest.approx(expected.item(), rel=TOLERANCE[dtype] / 10)
+    got = torch.autograd.grad(loss, [hidden, weight])
+    want = torch.autograd.grad(expected, expected_inputs)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == dtype and relative_error(g, w) <= TOLERANCE[dtype]
+
+
+def test_ignored_rows_get_no_gradient():
+    hidden, weight = leaves(torch.randn(4, 8), torch.randn(30, 8))
+    targets = torch.tensor([3, -100, 7, -100], device=DEVICE)
+    loss = fused_ops.linear_cross_entropy(hidden, weight, targets, chunk_rows=3)
+    (grad_hidden,) = torch.autograd.grad(loss, [hidden])
+    assert grad_hidden[[1, 3]].abs().max() == 0 and grad_hidden[[0, 2]].abs().min() > 0
+
+
+def test_model_trains_the_same_with_fused_kernels():
+    torch.manual_seed(0)
+    plain = TNLGForCausalLM(TNLGConfig.from_preset("debug", fused_kernels="none")).to(DEVICE)
+    fused = TNLGForCausalLM(TNLGConfig.from_preset("debug", fused_kernels="triton")).to(DEVICE)
+    fused.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, 512, (2, 16), device=DEVICE)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    plain_out, fused_out = plain(input_ids=ids, labels=labels), fused(input_ids=ids, labels=labels)
+    assert fused_out.loss.item() == pytest.approx(plain_out.loss.item(), rel=1e-6)
+    assert fused_out.logits is None  # the chunked loss never makes them
+    plain_out.loss.backward()
+    fused_out.loss.backward()
+    for (name, a), b in zip(plain.named_parameters(), fused.parameters(), strict=True):
+        assert relative_error(b.grad, a.grad) <= 1e-5, name
+    logits = fused(input_ids=ids).logits  # without labels: logits, through the fused LayerNorms and MLP
+    torch.testing.assert_close(logits, plain(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_uses_torch_on_cpu_and_the_choice_is_validated():
+    assert not fused_ops.use_triton("auto", torch.zeros(1))
+    assert not fused_ops.use_triton("none", torch.zeros(1))
+    assert TNLGConfig.from_preset("debug").fused_kernels == "auto"
+    with pytest.raises(ValueError, match="fused_kernels must be one of"):
+        TNLGConfig.from_preset("debug", fused_kernels="apex")
