@@ -17,6 +17,7 @@ which is how the tests run them) or `none`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -144,12 +145,11 @@ def _kernels():
         targets_ptr,
         loss_ptr,
         n_cols,
-        scale,
         ignore_index,
         BLOCK: tl.constexpr,
         NUM_BLOCKS: tl.constexpr,
     ):
-        """Per row: loss = logsumexp - target logit; the logits become (softmax - onehot) * scale."""
+        """Per row: loss = logsumexp - target logit; the logits become softmax - onehot (0 if ignored)."""
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * n_cols
         target = tl.load(targets_ptr + row)
@@ -166,7 +166,7 @@ def _kernels():
         safe_target = tl.where(ignored, 0, target)
         target_logit = tl.load(base + safe_target).to(tl.float32)
         tl.store(loss_ptr + row, tl.where(ignored, 0.0, lse - target_logit))
-        row_scale = tl.where(ignored, 0.0, scale)
+        row_scale = tl.where(ignored, 0.0, 1.0)
         for block in range(NUM_BLOCKS):
             cols = block * BLOCK + tl.arange(0, BLOCK)
             mask = cols < n_cols
@@ -231,7 +231,8 @@ def layer_norm(x, weight, bias, eps, choice: str = "triton"):
     """LayerNorm over the last dimension (Triton when `use_triton(choice, x)`, else torch's)."""
     if not use_triton(choice, x):
         return layer_norm_reference(x, weight, bias, eps)
-    return _LayerNorm.apply(x, weight, bias, eps)
+    with _on_device(x):
+        return _LayerNorm.apply(x, weight, bias, eps)
 
 
 # ---------------------------------------------------------------------------- bias + GeLU
@@ -267,7 +268,8 @@ def bias_gelu(x, bias, choice: str = "triton"):
     """`gelu_new(x + bias)` in one pass (Triton when `use_triton(choice, x)`)."""
     if not use_triton(choice, x):
         return bias_gelu_reference(x, bias)
-    return _BiasGelu.apply(x, bias)
+    with _on_device(x):
+        return _BiasGelu.apply(x, bias)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -276,16 +278,27 @@ def triton_cdiv(a: int, b: int) -> int:
 
 # ---------------------------------------------------------------------------- LM head + cross-entropy
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Loss and both gradients computed chunk by chunk in forward; backward only scales them."""
+    """Loss and the unscaled gradients computed chunk by chunk in forward; backward scales them.
+
+    The logit gradients (softmax - onehot) are kept unscaled in 16 bits: multiplied by 1/tokens
+    there, most of them would underflow fp16 before the loss scale (which only backward knows) could
+    lift them. The input and weight gradients accumulate in fp32 across chunks and are rounded once,
+    in backward, after the scaling: N x H and V x H fp32, far less than the N x V logits.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, num_items, chunk_rows):
         rows, vocab = hidden.shape[0], weight.shape[0]
-        count = num_items if num_items is not None else int((targets != ignore_index).sum())
-        scale = 1.0 / max(count, 1)
-        grad_hidden = torch.empty_like(hidden)
-        # Accumulated in the weight's dtype, one matmul per chunk (each accumulating in fp32 inside).
-        grad_weight = torch.zeros_like(weight)
+        # the divisor stays on the device (no host sync): the tokens with a target, or num_items
+        if num_items is None:
+            count = (targets != ignore_index).sum().clamp_min(1).float()
+        else:
+            count = torch.tensor(float(num_items), device=hidden.device)
+        wants_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_hidden = grad_weight = None
+        if wants_grad:
+            grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         losses = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         block = min(_row_block(vocab), 4096)
         for start in range(0, rows, chunk_rows):
@@ -293,23 +306,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
             chunk = hidden[start:end]
             logits = chunk @ weight.T  # (C, V) in the compute dtype; becomes its own gradient below
             _kernels()["cross_entropy_rows"][(end - start,)](
-                logits, targets[start:end], losses[start:end], vocab, scale, ignore_index,
+                logits, targets[start:end], losses[start:end], vocab, ignore_index,
                 BLOCK=block, NUM_BLOCKS=triton_cdiv(vocab, block), num_warps=_warps(block),
             )  # fmt: skip
-            torch.matmul(logits, weight, out=grad_hidden[start:end])
-            grad_weight.addmm_(logits.T, chunk)
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        return losses.sum() * scale
+            if wants_grad:
+                grad_hidden[start:end] = logits @ weight
+                grad_weight += logits.T @ chunk
+        ctx.save_for_backward(grad_hidden, grad_weight, count)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return losses.sum() / count
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        scale = grad_loss.float()
-        return (
-            (grad_hidden * scale).to(grad_hidden.dtype),
-            (grad_weight * scale).to(grad_weight.dtype),
-            *[None] * 4,
-        )
+        grad_hidden, grad_weight, count = ctx.saved_tensors
+        scale = grad_loss.float() / count
+        hidden_dtype, weight_dtype = ctx.dtypes
+        return (grad_hidden * scale).to(hidden_dtype), (grad_weight * scale).to(weight_dtype), *[None] * 4
 
 
 def linear_cross_entropy(
@@ -327,6 +339,18 @@ def linear_cross_entropy(
         return linear_cross_entropy_reference(hidden, weight, targets, ignore_index, num_items)
     if isinstance(num_items, torch.Tensor):
         num_items = int(num_items.item())
-    return _LinearCrossEntropy.apply(
-        hidden.contiguous(), weight, targets.contiguous(), ignore_index, num_items, chunk_rows
-    )
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        # What autocast would make of the LM head's matmul, then no autocast inside: the in-place
+        # kernel and the gradient matmuls need their operands in one dtype.
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    with torch.autocast(device_type, enabled=False), _on_device(hidden):
+        return _LinearCrossEntropy.apply(
+            hidden.contiguous(), weight, targets.contiguous(), ignore_index, num_items, chunk_rows
+        )
+
+
+def _on_device(tensor: torch.Tensor):
+    """Triton launches on the current CUDA device: make it `tensor`'s for the launch."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()

@@ -63,7 +63,7 @@ class FlatGroup:
         self.unit_full: list[torch.Tensor] = []
         self.param_views: list[torch.Tensor | None] = []  # until finish(): each parameter's view
         if self.placement.optimizer_on_host:
-            self.master = self.placement.host_zeros(self.layout.shard_numel, torch.float32)
+            self.master = self.placement.host_zeros(self.layout.shard_numel, torch.float32, transfer=False)
         else:
             self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
         # Stages 2-3 with the optimizer offloaded: reduced pieces on their way into the host shard.
@@ -158,7 +158,9 @@ class FlatGroup:
                 param.grad = self.grad_view(slot.index)
         elif self.placement.optimizer_on_host:
             # fp32 on the host: micro-steps accumulate there without 16-bit rounding, as DeepSpeed's offload
-            self.shard_grad = self.placement.host_zeros(self.layout.shard_numel, torch.float32)
+            self.shard_grad = self.placement.host_zeros(
+                self.layout.shard_numel, torch.float32, transfer=False
+            )
         else:
             self.shard_grad = torch.zeros(
                 self.layout.shard_numel, dtype=self.compute_dtype, device=self.device

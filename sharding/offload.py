@@ -3,10 +3,11 @@
 [Note: offload]
 `offload_optimizer="cpu"` (stages 1-3) moves what only the optimizer step reads into host memory:
 
-    fp32 master shard + optimizer state   host (pinned when the device is CUDA)
+    fp32 master shard + optimizer state   host
     gradient shard, stages 2-3            host, fp32: each unit's reduced piece is copied out as its
-                                          reduce-scatter completes (asynchronously on CUDA, settled
-                                          when backward ends) and accumulated there across micro-steps
+                                          reduce-scatter completes (asynchronously on CUDA, through a
+                                          pinned staging buffer, settled when backward ends) and
+                                          accumulated there across micro-steps
     gradient, stage 1                     stays on the device (stage 1 keeps full gradients); this
                                           rank's pieces are copied out at the step
     16-bit parameters                     the device, as without offload
@@ -22,6 +23,9 @@ cast on its way back.
 copies this rank's piece of the unit to the device (asynchronously from pinned memory, so it
 overlaps like the all-gather it precedes) and the staging copy is freed when the gather completes.
 
+Only the buffers that cross to or from the device are pinned (the 16-bit copy the step writes, stage
+3's host shard, staging buffers): torch's pinned allocator rounds each block up to a power of two, so
+pinning the master and the moments, which only the CPU touches, could nearly double their host memory.
 Every copy goes through a separate destination buffer even when the "device" is the CPU, so the
 code paths (and their bookkeeping) are the same ones the tests run on CPU-only machines.
 """
@@ -55,11 +59,12 @@ class Placement:
     def master_device(self) -> torch.device:
         return HOST if self.optimizer_on_host else self.device
 
-    def host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=self.pin)
+    def host_zeros(self, numel: int, dtype: torch.dtype, transfer: bool = True) -> torch.Tensor:
+        """A host buffer; pinned when it is copied to or from a CUDA device (`transfer`)."""
+        return torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=self.pin and transfer)
 
-    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=self.pin)
+    def host_empty(self, numel: int, dtype: torch.dtype, transfer: bool = True) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=self.pin and transfer)
 
 
 class StagedGather:
@@ -103,9 +108,9 @@ class GradientsToHost:
         staging = self.placement.host_empty(reduced.numel(), reduced.dtype)
         event = None
         if reduced.device.type == "cuda":
-            staging.copy_(reduced, non_blocking=True)
+            staging.copy_(reduced, non_blocking=True)  # on the current stream of reduced's device
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(reduced.device))
         else:
             staging.copy_(reduced)
         self._pending.append((target, staging, alpha, event))

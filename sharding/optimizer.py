@@ -154,6 +154,12 @@ class ShardedOptimizer:
         divisors = {flat.grad_divisor for flat in self.groups}
         assert len(divisors) == 1, "the gradient divisor depends only on the stage and the world size"
         grads = [flat.step_gradient() for flat in self.groups]
+        device = self.groups[0].device
+        if device.type == "cuda":
+            # The host buffers CPUAdam writes (the 16-bit copies, stage 3's host shard) were read by
+            # asynchronous copies to the device after the last step: let those finish first. (The
+            # gradient norm's .item() has already waited for them; this does not rely on it.)
+            torch.cuda.current_stream(device).synchronize()
         self._stepping = True
         try:
             host_adam_step(self.host_adam, self.optimizer, grads, self._updated16, factor / divisors.pop())

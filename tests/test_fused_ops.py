@@ -123,3 +123,41 @@ def test_auto_uses_torch_on_cpu_and_the_choice_is_validated():
     assert TNLGConfig.from_preset("debug").fused_kernels == "auto"
     with pytest.raises(ValueError, match="fused_kernels must be one of"):
         TNLGConfig.from_preset("debug", fused_kernels="apex")
+
+
+def test_fp16_gradients_survive_a_large_token_count():
+    """The logit gradients stay unscaled until backward: divided by 8192 tokens in fp16 they would
+    underflow to zero before the loss scale could lift them."""
+    generator = torch.Generator().manual_seed(2)
+    hidden, weight = leaves(
+        torch.randn(64, 32, generator=generator),
+        torch.randn(5000, 32, generator=generator) * 0.1,
+        dtype=torch.float16,
+    )
+    targets = torch.randint(0, 5000, (64,), generator=generator).to(DEVICE)
+    loss = fused_ops.linear_cross_entropy(hidden, weight, targets, num_items=8192)
+    grad_hidden, grad_weight = torch.autograd.grad(loss * 2.0**16, [hidden, weight])  # a loss scale
+    expected_inputs = [t.detach().float().requires_grad_() for t in (hidden, weight)]
+    expected = fused_ops.linear_cross_entropy_reference(*expected_inputs, targets, num_items=8192)
+    want_hidden, want_weight = torch.autograd.grad(expected * 2.0**16, expected_inputs)
+    assert relative_error(grad_hidden, want_hidden) <= 1e-2
+    assert relative_error(grad_weight, want_weight) <= 1e-2
+    assert (grad_weight.abs().sum(1) == 0).sum() == (want_weight.abs().sum(1) == 0).sum()
+
+
+def test_chunked_cross_entropy_under_autocast():
+    """An fp32 model under bf16 autocast (the Trainer's bf16=True): the head runs in bf16 as autocast's
+    linear would, and the gradients reach the fp32 weight."""
+    generator = torch.Generator().manual_seed(3)
+    hidden, weight = leaves(
+        torch.randn(20, 16, generator=generator), torch.randn(300, 16, generator=generator)
+    )
+    targets = torch.randint(0, 300, (20,), generator=generator).to(DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        loss = fused_ops.linear_cross_entropy(hidden, weight, targets)
+        expected = fused_ops.linear_cross_entropy_reference(hidden, weight, targets)
+    got = torch.autograd.grad(loss, [hidden, weight])
+    want = torch.autograd.grad(expected, [hidden, weight])
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-3)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.float32 and relative_error(g, w) <= 2e-2

@@ -18,7 +18,7 @@ import torch
 
 from .build import SOURCES, KernelUnavailable
 
-# -fmad=false: no fused multiply-adds, so that the rounding is that of torch's own CUDA Adam.
+# -fmad=false: no fused multiply-adds: every operation rounds as the source writes it.
 CUDA_FLAGS = ["-O3", "-fmad=false"]
 KERNEL_SOURCE = SOURCES / "fused_adam_kernel.cu"
 BINDING_SOURCE = SOURCES / "fused_adam.cpp"

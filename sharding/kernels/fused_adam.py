@@ -9,7 +9,9 @@ copy when `out16` is given, which is what the 16-bit parameters are all-gathered
 
 `fused_adam` picks the CUDA extension on CUDA tensors (built on first use; see cuda_adam.py), the
 Triton kernel where the extension cannot be built, and the reference elsewhere; `backend=` forces
-one. The arithmetic is torch's single-tensor Adam (`torch.optim.adam._single_tensor_adam`):
+one. The arithmetic is torch's single-tensor Adam (`torch.optim.adam._single_tensor_adam`), in its
+order of operations; the kernels' results differ from torch's by float rounding (fused
+multiply-adds, approximate division and square root on GPUs), which the tests bound at 1e-6:
 
     param *= 1 - lr * weight_decay                    (AdamW; Adam adds weight_decay * param to grad)
     exp_avg += (1 - beta1) * (grad - exp_avg)         (torch's lerp)
@@ -22,6 +24,7 @@ Triton kernels run on CPU tensors under `TRITON_INTERPRET=1` (how the tests chec
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -85,6 +88,17 @@ def fused_adam(
     hyper = AdamHyper(lr, betas[0], betas[1], eps, weight_decay, step, adamw, grad_scale)
     if backend == "auto":
         backend = _auto_backend(param.device)
+    with on_device(param):
+        _run(backend, param, grad, exp_avg, exp_avg_sq, hyper, max_exp_avg_sq, out16)
+    return backend
+
+
+def on_device(tensor: torch.Tensor):
+    """Kernels launch on the current CUDA device: make it `tensor`'s for the launch."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+def _run(backend, param, grad, exp_avg, exp_avg_sq, hyper, max_exp_avg_sq, out16) -> None:
     if backend == "cuda":
         from .cuda_adam import cuda_extension
 
@@ -101,7 +115,6 @@ def fused_adam(
         adam_triton(param, grad, exp_avg, exp_avg_sq, hyper, max_exp_avg_sq, out16)
     else:
         adam_reference(param, grad, exp_avg, exp_avg_sq, hyper, max_exp_avg_sq, out16)
-    return backend
 
 
 def steps_like_adam(optimizer: torch.optim.Optimizer) -> bool:
@@ -139,9 +152,12 @@ def fused_adam_group(
         state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
         if group["amsgrad"]:
             state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+    step = int(state["step"].item()) + 1
+    # checked before the step is counted, so that a refused call changes nothing
+    _check(param, grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), out16, step)
     state["step"] += 1
     return fused_adam(
-        param, grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"].item()), lr=group["lr"],
+        param, grad, state["exp_avg"], state["exp_avg_sq"], step=step, lr=group["lr"],
         betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
         adamw=group["decoupled_weight_decay"], grad_scale=grad_scale, max_exp_avg_sq=state.get("max_exp_avg_sq"),
         out16=out16, backend=backend,

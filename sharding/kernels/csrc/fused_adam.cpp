@@ -85,7 +85,7 @@ void fused_adam(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, s
     return;
   }
   TORCH_CHECK(blocks < (int64_t(1) << 31), "too many blocks for one launch");
-  auto host = torch::zeros({7 * n + blocks + (blocks + 1) / 2}, torch::kInt64).pin_memory();
+  auto host = torch::zeros({7 * n + blocks + (blocks + 1) / 2}, torch::dtype(torch::kInt64).pinned_memory(true));
   int64_t* slots = host.data_ptr<int64_t>();
   for (int64_t t = 0; t < n; ++t) {
     slots[t] = reinterpret_cast<int64_t>(params[t].data_ptr());
