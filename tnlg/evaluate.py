@@ -1,0 +1,134 @@
+"""Model evaluations: sliding-window perplexity (and bits per byte), and LAMBADA-style last-word accuracy.
+
+Perplexity follows the WikiText-103 practice (Transformers' "Perplexity of fixed-length models"): the
+text is one token stream; windows of `max_length` tokens advance by `stride`, and each window scores
+only the tokens the previous one did not, each with up to `max_length - 1` tokens of context. With
+`stride == max_length` the windows are disjoint and the first token of each has no context in it, so it
+is not scored (as in Transformers' recipe); neither is the stream's first token. Bits per byte divide the summed NLL (in bits) by the text's UTF-8 bytes, which makes
+models with different tokenizers comparable.
+
+Last-word accuracy (LAMBADA, Paperno et al. 2016): a passage's last whitespace-separated word is the
+target; greedy decoding must produce all of its tokens. This is checked in one forward pass (teacher
+forcing): greedy decoding produces the word exactly when the argmax at each of its positions is its
+next token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    nll: float  # summed negative log-likelihood of the scored tokens, in nats
+    tokens: int  # tokens scored
+    bytes: int | None = None  # UTF-8 bytes of the text, when known
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll / self.tokens)
+
+    @property
+    def bits_per_byte(self) -> float | None:
+        return None if not self.bytes else self.nll / math.log(2) / self.bytes
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {
+            "perplexity": self.perplexity,
+            "nll_per_token": self.nll / self.tokens,
+            "bits_per_byte": self.bits_per_byte,
+            "tokens": self.tokens,
+        }
+
+
+@torch.no_grad()
+def perplexity(
+    model: nn.Module,
+    token_ids: Sequence[int] | torch.Tensor,
+    *,
+    max_length: int,
+    stride: int | None = None,
+    text_bytes: int | None = None,
+    device: torch.device | str | None = None,
+) -> PerplexityResult:
+    """Sliding-window perplexity of a token stream (see the module docstring)."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+    stride = max_length if stride is None else stride
+    if max_length < 2:
+        raise ValueError(f"max_length must be at least 2 (a token and its context), got {max_length}")
+    if not 1 <= stride <= max_length:
+        raise ValueError(f"stride must be in [1, max_length={max_length}], got {stride}")
+    if ids.numel() < 2:
+        raise ValueError(f"the text has {ids.numel()} token(s): perplexity needs at least 2")
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    total, count = 0.0, 0
+    begin, scored_until = 0, 1  # tokens before scored_until are scored (token 0 never is)
+    while True:
+        end = min(begin + max_length, ids.numel())
+        # a window's first token has no context in it: its scored targets start one later at least
+        first = max(scored_until, begin + 1)
+        if first < end:
+            window = ids[begin:end].to(device)[None]  # (1, W)
+            logits = model(input_ids=window).logits[0]  # (W, V); position t predicts token t + 1
+            log_probs = F.log_softmax(logits[first - begin - 1 : end - begin - 1].float(), dim=-1)
+            targets = window[0, first - begin : end - begin]
+            total -= log_probs.gather(1, targets[:, None]).sum().item()
+            count += targets.numel()
+        scored_until = end
+        if end == ids.numel():
+            return PerplexityResult(total, count, text_bytes)
+        begin += stride
+
+
+@dataclass(frozen=True)
+class LastWordResult:
+    correct: int
+    total: int
+
+    @property
+    def accuracy(self) -> float:
+        return 100.0 * self.correct / self.total
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"accuracy": self.accuracy, "correct": self.correct, "total": self.total}
+
+
+def split_last_word(passage: str) -> tuple[str, str]:
+    """(context, last word): the word is the passage's last whitespace-separated token."""
+    stripped = passage.rstrip()
+    cut = max(stripped.rfind(" "), stripped.rfind("\n"), stripped.rfind("\t"))
+    if cut <= 0:
+        raise ValueError(f"passage has no context before its last word: {passage[:80]!r}")
+    return stripped[:cut], stripped[cut:]  # the word keeps its leading space, as a GPT tokenizer sees it
+
+
+@torch.no_grad()
+def last_word_accuracy(
+    model: nn.Module,
+    tokenizer,
+    passages: Sequence[str],
+    *,
+    device: torch.device | str | None = None,
+) -> LastWordResult:
+    """How many passages greedy decoding completes with exactly their last word (multi-token words too)."""
+    if not passages:
+        raise ValueError("no passages to evaluate")
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    correct = 0
+    for passage in passages:
+        context, word = split_last_word(passage)
+        context_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
+        word_ids = tokenizer(word, add_special_tokens=False)["input_ids"]
+        if not context_ids or not word_ids:
+            raise ValueError(f"passage tokenizes to an empty context or word: {passage[:80]!r}")
+        ids = torch.tensor([context_ids + word_ids], device=device)
+        logits = model(input_ids=ids).logits[0]  # (T, V)
+        predicted = logits[len(context_ids) - 1 : -1].argmax(-1)
+        correct += int(torch.equal(predicted.cpu(), torch.tensor(word_ids)))
+    return LastWordResult(correct, len(passages))
