@@ -149,17 +149,18 @@ def bench_model_kernels(rows: int, width: int, vocab: int, device: torch.device,
     bias = torch.randn(width, generator=generator).to(device, dtype).requires_grad_()
     upstream = torch.randn(rows, width, generator=generator).to(device, dtype)
 
+    def compare(name: str, torch_name: str, run: Callable[[bool], tuple[torch.Tensor, ...]]) -> None:
+        """`run(fused)` returns the gradients: checked against torch's, then both timed."""
+        errors = [relative_error(a, b) for a, b in zip(run(True), run(False), strict=True)]
+        check(name, max(errors), 2e-2)
+        base = measure(torch_name, lambda: run(False))
+        measure(f"tnlg {name}", lambda: run(True), base)
+
     def layer_norm(fused: bool):
         y = fused_ops.layer_norm(x, weight, bias, 1e-5, "triton" if fused else "none")
         return torch.autograd.grad(y, (x, weight, bias), upstream)
 
-    check(
-        "LayerNorm",
-        max(relative_error(a, b) for a, b in zip(layer_norm(True), layer_norm(False), strict=True)),
-        2e-2,
-    )
-    base = measure("F.layer_norm", lambda: layer_norm(False))
-    measure("tnlg Triton LayerNorm", lambda: layer_norm(True), base)
+    compare("Triton LayerNorm", "F.layer_norm", layer_norm)
 
     wide = (torch.randn(rows, 4 * width, generator=generator) * 2).to(device, dtype).requires_grad_()
     wide_bias = torch.randn(4 * width, generator=generator).to(device, dtype).requires_grad_()
@@ -172,11 +173,7 @@ def bench_model_kernels(rows: int, width: int, vocab: int, device: torch.device,
             y = F.gelu(wide + wide_bias, approximate="tanh")
         return torch.autograd.grad(y, (wide, wide_bias), wide_upstream)
 
-    check(
-        "bias + GeLU", max(relative_error(a, b) for a, b in zip(gelu(True), gelu(False), strict=True)), 2e-2
-    )
-    base = measure("F.gelu(x + b, tanh)", lambda: gelu(False))
-    measure("tnlg Triton bias + GeLU", lambda: gelu(True), base)
+    compare("Triton bias + GeLU", "F.gelu(x + b, tanh)", gelu)
 
     hidden = torch.randn(rows, width, generator=generator).to(device, dtype).requires_grad_()
     head = (torch.randn(vocab, width, generator=generator) * 0.02).to(device, dtype).requires_grad_()
@@ -189,13 +186,7 @@ def bench_model_kernels(rows: int, width: int, vocab: int, device: torch.device,
             loss = F.cross_entropy((hidden @ head.T).float(), targets)
         return torch.autograd.grad(loss, (hidden, head))
 
-    check(
-        "cross-entropy",
-        max(relative_error(a, b) for a, b in zip(cross_entropy(True), cross_entropy(False), strict=True)),
-        2e-2,
-    )
-    base = measure("LM head + F.cross_entropy (fp32 logits)", lambda: cross_entropy(False))
-    measure("tnlg chunked LM head + cross-entropy", lambda: cross_entropy(True), base)
+    compare("chunked LM head + cross-entropy", "LM head + F.cross_entropy (fp32 logits)", cross_entropy)
     return lines
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import math
 
 import torch
@@ -34,11 +35,7 @@ GELU_SCALE = math.sqrt(2.0 / math.pi)
 
 @functools.cache
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("triton") is not None
 
 
 def use_triton(choice: str, tensor: torch.Tensor) -> bool:
@@ -246,7 +243,7 @@ class _BiasGelu(torch.autograd.Function):
         y = torch.empty_like(x)
         n = x.numel()
         if n:
-            grid = (triton_cdiv(n, ELEMENTWISE_BLOCK),)
+            grid = ((n + ELEMENTWISE_BLOCK - 1) // ELEMENTWISE_BLOCK,)
             _kernels()["bias_gelu_forward"][grid](x, bias, y, n, x.shape[-1], BLOCK=ELEMENTWISE_BLOCK)
         ctx.save_for_backward(x, bias)
         return y
@@ -258,7 +255,7 @@ class _BiasGelu(torch.autograd.Function):
         dx = torch.empty_like(x)
         n = x.numel()
         if n:
-            grid = (triton_cdiv(n, ELEMENTWISE_BLOCK),)
+            grid = ((n + ELEMENTWISE_BLOCK - 1) // ELEMENTWISE_BLOCK,)
             _kernels()["bias_gelu_backward"][grid](dy, x, bias, dx, n, x.shape[-1], BLOCK=ELEMENTWISE_BLOCK)
         dbias = dx.reshape(-1, x.shape[-1]).float().sum(0).to(bias.dtype)
         return dx, dbias
@@ -270,10 +267,6 @@ def bias_gelu(x, bias, choice: str = "triton"):
         return bias_gelu_reference(x, bias)
     with _on_device(x):
         return _BiasGelu.apply(x, bias)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ---------------------------------------------------------------------------- LM head + cross-entropy
@@ -307,7 +300,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = chunk @ weight.T  # (C, V) in the compute dtype; becomes its own gradient below
             _kernels()["cross_entropy_rows"][(end - start,)](
                 logits, targets[start:end], losses[start:end], vocab, ignore_index,
-                BLOCK=block, NUM_BLOCKS=triton_cdiv(vocab, block), num_warps=_warps(block),
+                BLOCK=block, NUM_BLOCKS=(vocab + block - 1) // block, num_warps=_warps(block),
             )  # fmt: skip
             if wants_grad:
                 grad_hidden[start:end] = logits @ weight

@@ -84,9 +84,7 @@ class ZeroEngine(nn.Module):
             params_on_host=self.config.offload_param == "cpu",
         )
         self.groups = [
-            FlatGroup(
-                group, self.config.stage, self.compute_dtype, target, self.collectives, alignment, placement
-            )
+            FlatGroup(group, self.config.stage, self.compute_dtype, placement, self.collectives, alignment)
             for group in plan.groups
         ]
         source = _pretrained_source(module, pretrained)

@@ -33,10 +33,9 @@ class FlatGroup:
         plan: GroupPlan,
         stage: int,
         compute_dtype: torch.dtype,
-        device: torch.device,
+        placement: Placement,
         collectives: Collectives,
         alignment: int = 1,
-        placement: Placement | None = None,
     ):
         self.index = plan.index
         self.params: list[nn.Parameter] = plan.params
@@ -52,10 +51,8 @@ class FlatGroup:
             [block is None for block in plan.unit_blocks] if stage == 3 else [True] * len(plan.units)
         )
         self.compute_dtype = compute_dtype
-        self.device = device
-        self.placement = placement if placement is not None else Placement(device)
-        if self.placement.device != device:
-            raise ValueError(f"placement for {self.placement.device}, group on {device}")
+        self.placement = placement
+        self.device = placement.device  # where the model computes
         self.full: torch.Tensor | None = None
         self.shard: torch.Tensor | None = None
         self.full_grad: torch.Tensor | None = None
@@ -65,7 +62,7 @@ class FlatGroup:
         if self.placement.optimizer_on_host:
             self.master = self.placement.host_zeros(self.layout.shard_numel, torch.float32, transfer=False)
         else:
-            self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
+            self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
         # Stages 2-3 with the optimizer offloaded: reduced pieces on their way into the host shard.
         self.gradients_to_host = (
             GradientsToHost(self.placement) if self.placement.optimizer_on_host and stage >= 2 else None

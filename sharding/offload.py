@@ -55,10 +55,6 @@ class Placement:
         """Host buffers are pinned when there is a CUDA device to copy to and from asynchronously."""
         return self.device.type == "cuda"
 
-    @property
-    def master_device(self) -> torch.device:
-        return HOST if self.optimizer_on_host else self.device
-
     def host_zeros(self, numel: int, dtype: torch.dtype, transfer: bool = True) -> torch.Tensor:
         """A host buffer; pinned when it is copied to or from a CUDA device (`transfer`)."""
         return torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=self.pin and transfer)

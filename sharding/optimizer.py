@@ -21,9 +21,11 @@ gradients, so that its hooks and a learning-rate scheduler see the step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 
@@ -140,11 +142,8 @@ class ShardedOptimizer:
             group_factor = factor / flat.grad_divisor
             gradient = flat.step_gradient(torch.float32)
             flat.master.grad = gradient.mul_(group_factor) if group_factor != 1.0 else gradient
-        self._stepping = True
-        try:
+        with self._user_step():
             self.optimizer.step()
-        finally:
-            self._stepping = False
         for flat in self.groups:
             flat.master.grad = None
             flat.write_back()
@@ -160,21 +159,17 @@ class ShardedOptimizer:
             # asynchronous copies to the device after the last step: let those finish first. (The
             # gradient norm's .item() has already waited for them; this does not rely on it.)
             torch.cuda.current_stream(device).synchronize()
-        self._stepping = True
-        try:
+        with self._user_step():
             host_adam_step(self.host_adam, self.optimizer, grads, self._updated16, factor / divisors.pop())
             # No gradients are set, so this updates nothing: it runs the optimizer's step hooks and
             # the bookkeeping a learning-rate scheduler checks (that optimizer.step() was called).
             self.optimizer.step()
-        finally:
-            self._stepping = False
         for flat, updated in zip(self.groups, self._updated16, strict=True):
             flat.write_back(updated)
 
     def _fused_adam_step(self, factor: float) -> None:
         """A fused Adam kernel per param group on the device shards (see the module docstring)."""
-        self._stepping = True
-        try:
+        with self._user_step():
             for flat, group in zip(self.groups, self.optimizer.param_groups, strict=True):
                 state = self.optimizer.state[flat.master]
                 out16 = _device_16bit_target(flat)
@@ -184,6 +179,13 @@ class ShardedOptimizer:
                 )  # fmt: skip
                 flat.write_back(out16)
             self.optimizer.step()  # no gradients: hooks and scheduler bookkeeping only
+
+    @contextlib.contextmanager
+    def _user_step(self) -> Iterator[None]:
+        """The engine's own calls of the user's optimizer (which `_refuse_direct_step` lets through)."""
+        self._stepping = True
+        try:
+            yield
         finally:
             self._stepping = False
 

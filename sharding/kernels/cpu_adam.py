@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.optim.adam import adam as torch_adam
 
+from .adam_state import adam_state
 from .build import cpu_extension
 
 OUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -112,7 +113,7 @@ class CPUAdam(torch.optim.Optimizer):
                         f"on {grad.device}: it must be on the CPU, the parameter's shape, fp32, bf16 or fp16"
                     )
                 out = targets.get(param)
-                state = self._state_of(param, group["amsgrad"])
+                state = adam_state(self.state[param], param, group["amsgrad"])
                 if kernel is not None:
                     state["step"] += 1
                     empty = torch.empty(0)
@@ -133,16 +134,6 @@ class CPUAdam(torch.optim.Optimizer):
                 if out is not None:
                     out.copy_(param)
         return loss
-
-    def _state_of(self, param: torch.Tensor, amsgrad: bool) -> dict[str, torch.Tensor]:
-        state = self.state[param]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-            if amsgrad:
-                state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-        return state
 
     def _by_param(self, tensors, what: str) -> dict[torch.Tensor, torch.Tensor]:
         """`out16` / `grads` as {parameter: tensor}, checked before anything is updated."""

@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import logging
 import math
 import os
 from dataclasses import dataclass
 
 import torch
+
+from .adam_state import adam_state
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +86,14 @@ def fused_adam(
     """Update `param`, `exp_avg`, `exp_avg_sq` (and `max_exp_avg_sq`: amsgrad) in place for step `step`
     (counted from 1), writing the new values into `out16` too. Returns the backend that ran."""
     _check(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, out16, step)
+    hyper = AdamHyper(lr, betas[0], betas[1], eps, weight_decay, step, adamw, grad_scale)
+    return _launch(backend, param, grad, exp_avg, exp_avg_sq, hyper, max_exp_avg_sq, out16)
+
+
+def _launch(backend, param, grad, exp_avg, exp_avg_sq, hyper, max_exp_avg_sq, out16) -> str:
+    """The checked step on `backend` (resolving "auto"); returns the backend that ran."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-    hyper = AdamHyper(lr, betas[0], betas[1], eps, weight_decay, step, adamw, grad_scale)
     if backend == "auto":
         backend = _auto_backend(param.device)
     with on_device(param):
@@ -144,24 +152,25 @@ def fused_adam_group(
     out16: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> str:
-    """One step of a torch Adam/AdamW param group's flat tensor, with torch's state keys (created on
-    the first step, as torch does: a CPU float `step`, fp32 moments next to the parameter)."""
-    if not state:
-        state["step"] = torch.tensor(0.0)
-        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-        if group["amsgrad"]:
-            state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+    """One step of a torch Adam/AdamW param group's flat tensor, with torch's state keys (see adam_state.py)."""
+    adam_state(state, param, group["amsgrad"])
     step = int(state["step"].item()) + 1
+    max_sq = state.get("max_exp_avg_sq")
     # checked before the step is counted, so that a refused call changes nothing
-    _check(param, grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), out16, step)
+    _check(param, grad, state["exp_avg"], state["exp_avg_sq"], max_sq, out16, step)
     state["step"] += 1
-    return fused_adam(
-        param, grad, state["exp_avg"], state["exp_avg_sq"], step=step, lr=group["lr"],
-        betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-        adamw=group["decoupled_weight_decay"], grad_scale=grad_scale, max_exp_avg_sq=state.get("max_exp_avg_sq"),
-        out16=out16, backend=backend,
-    )  # fmt: skip
+    beta1, beta2 = group["betas"]
+    hyper = AdamHyper(
+        group["lr"],
+        beta1,
+        beta2,
+        group["eps"],
+        group["weight_decay"],
+        step,
+        group["decoupled_weight_decay"],
+        grad_scale,
+    )
+    return _launch(backend, param, grad, state["exp_avg"], state["exp_avg_sq"], hyper, max_sq, out16)
 
 
 def _auto_backend(device: torch.device) -> str:
@@ -230,11 +239,7 @@ def adam_reference(
 # ---------------------------------------------------------------------------- Triton
 @functools.cache
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache
@@ -305,7 +310,7 @@ def adam_triton(
     if n == 0:
         return
     kernel = _triton_kernel()
-    grid = (triton_cdiv(n, block),)
+    grid = ((n + block - 1) // block,)
     kernel[grid](
         param, grad, exp_avg, exp_avg_sq,
         max_exp_avg_sq if max_exp_avg_sq is not None else param, out16 if out16 is not None else param, n,
@@ -314,7 +319,3 @@ def adam_triton(
         ADAMW=hyper.adamw, AMSGRAD=max_exp_avg_sq is not None, WRITE_OUT=out16 is not None,
         OUT_BF16=out16 is not None and out16.dtype == torch.bfloat16, BLOCK=block,
     )  # fmt: skip
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -17,6 +17,7 @@ end-of-text token that closes it) carries loss.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,7 +117,10 @@ def row_fields(row: Mapping[str, Any], task: TaskFormat) -> dict[str, Any]:
 
 def encode_example(row: Mapping[str, Any], task: TaskFormat, tokenizer) -> dict[str, list[int]]:
     """`input_ids` (prompt + target [+ eos]) and `labels` (-100 on the prompt), within `max_length`."""
-    values = row_fields(row, task)
+    return _encode(row_fields(row, task), task, tokenizer)
+
+
+def _encode(values: dict[str, Any], task: TaskFormat, tokenizer) -> dict[str, list[int]]:
     long_field = TASKS[task.kind]["truncate"]
     marker = "{" + long_field + "}"
     if marker not in task.prompt:
@@ -150,17 +154,13 @@ def encode_prompt(row: Mapping[str, Any], task: TaskFormat, tokenizer, max_new_t
     """The prompt alone (for generation), cut like `encode_example` to leave `max_new_tokens` of room,
     with the row's references."""
     values = row_fields(row, task)
-    generation = TaskFormat(
-        task.kind,
-        task.columns,
-        task.prompt,
-        "",
-        task.max_length - max_new_tokens,
-        task.truncation_side,
-        False,
+    prompt_only = dataclasses.replace(
+        task, target_template="", max_length=task.max_length - max_new_tokens, add_eos=False
     )
-    encoded = encode_example(row, generation, tokenizer)
-    return {"input_ids": encoded["input_ids"], "references": values["references"]}
+    return {
+        "input_ids": _encode(values, prompt_only, tokenizer)["input_ids"],
+        "references": values["references"],
+    }
 
 
 def pad_batch(examples: Sequence[Mapping[str, list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
