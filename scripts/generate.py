@@ -2,6 +2,12 @@
 
 python scripts/generate.py --model debug --prompt "The Turing-NLG model"
 echo "one prompt per line" | python scripts/generate.py --model path/to/checkpoint
+
+Several processes share the prompts, with the model sharded by the ZeRO engine (each rank reads
+only its slices of the checkpoint; stage 3 for a model too large for one device):
+
+torchrun --nproc_per_node 2 scripts/generate.py --model path/to/checkpoint --zero-stage 3 --prompt ...
+accelerate launch --multi_gpu --num_processes 2 scripts/generate.py --model path/to/checkpoint --zero-stage 3 ...
 """
 
 from __future__ import annotations
@@ -11,8 +17,15 @@ import logging
 import sys
 
 import torch
+import torch.distributed as dist
 
+from tnlg.distributed_generation import (
+    generate_on_ranks,
+    init_process_group_from_environment,
+    load_sharded_model,
+)
 from tnlg.generation import GenerationSettings, generate_texts, load_model_and_tokenizer
+from tnlg.sharding import ZeroConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,18 +53,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--seed", type=int, default=0, help="seeds random init (presets) and sampling")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds random init (presets) and sampling (rank r: seed + r)"
+    )
+    parser.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=range(4),
+        help="shard a checkpoint with the ZeRO engine at this stage (default under a multi-process launch: 0)",
+    )
+    parser.add_argument(
+        "--zero-config",
+        help="ZeroConfig or DeepSpeed JSON for the sharded model; --zero-stage overrides its stage",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.manual_seed(args.seed)
+    own_group = not (dist.is_available() and dist.is_initialized())  # a caller's group is left alone
+    distributed = init_process_group_from_environment()
+    rank = dist.get_rank() if distributed else 0
+    torch.manual_seed(args.seed + rank)  # ranks sampling the same prompt must not draw the same tokens
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise SystemExit("no prompt: pass --prompt or write prompts to stdin")
-    model, tokenizer = load_model_and_tokenizer(args.model, DTYPES[args.dtype], args.device, args.tokenizer)
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,
@@ -61,10 +88,24 @@ def main(argv: list[str] | None = None) -> None:
         num_beams=args.num_beams,
         use_cache=not args.no_cache,
     )
-    for prompt, completion in zip(
-        prompts, generate_texts(model, tokenizer, prompts, settings, args.batch_size), strict=True
-    ):
-        print(f"{prompt!r} -> {completion!r}")
+    if distributed or args.zero_stage is not None or args.zero_config:
+        config = ZeroConfig.coerce(args.zero_config)
+        if args.zero_stage is not None:
+            config = config.replace(stage=args.zero_stage)
+        engine, tokenizer = load_sharded_model(
+            args.model, config, tokenizer=args.tokenizer, dtype=DTYPES[args.dtype], device=args.device
+        )
+        completions = generate_on_ranks(engine, tokenizer, prompts, settings, args.batch_size)
+    else:
+        model, tokenizer = load_model_and_tokenizer(
+            args.model, DTYPES[args.dtype], args.device, args.tokenizer
+        )
+        completions = generate_texts(model, tokenizer, prompts, settings, args.batch_size)
+    if rank == 0:  # every rank holds every completion: one prints them
+        for prompt, completion in zip(prompts, completions, strict=True):
+            print(f"{prompt!r} -> {completion!r}")
+    if distributed and own_group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -45,12 +45,16 @@ class ZeroEngine(nn.Module):
     `loss.backward()`, `optimizer.step()` and `optimizer.zero_grad()`. `engine.module` is the
     user's module, with the same class and parameter names; its parameters are views into the
     engine's buffers (in stage 3, only while gathered).
+
+    With `optimizer=None` the engine is inference only: every parameter is sharded as the stage
+    says, but no gradient buffers, reduction hooks or optimizer state exist; the forward runs
+    without autograd, and training calls (`backward`, `step`, checkpoints) raise.
     """
 
     def __init__(
         self,
         module: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         config: ZeroConfig | Mapping[str, Any] | str | Path | None = None,
         process_group: dist.ProcessGroup | None = None,
         *,
@@ -84,7 +88,15 @@ class ZeroEngine(nn.Module):
             params_on_host=self.config.offload_param == "cpu",
         )
         self.groups = [
-            FlatGroup(group, self.config.stage, self.compute_dtype, placement, self.collectives, alignment)
+            FlatGroup(
+                group,
+                self.config.stage,
+                self.compute_dtype,
+                placement,
+                self.collectives,
+                alignment,
+                trainable=optimizer is not None,
+            )
             for group in plan.groups
         ]
         source = _pretrained_source(module, pretrained)
@@ -106,38 +118,66 @@ class ZeroEngine(nn.Module):
                 group.build_from_params()
         self._cast_frozen_floating_tensors()
         self.loss_scaler = LossScaler(self.config)
-        self.optimizer = ShardedOptimizer(
-            optimizer,
-            self.groups,
-            self.collectives,
-            self.loss_scaler,
-            self.config.gradient_clipping,
-            sharded=self.config.stage >= 1,
-            offloaded=placement.optimizer_on_host,
-            fused_adam=_fused_adam_backend(self.config.fused_adam, target),
+        self.optimizer = (
+            ShardedOptimizer(
+                optimizer,
+                self.groups,
+                self.collectives,
+                self.loss_scaler,
+                self.config.gradient_clipping,
+                sharded=self.config.stage >= 1,
+                offloaded=placement.optimizer_on_host,
+                fused_adam=_fused_adam_backend(self.config.fused_adam, target),
+            )
+            if optimizer is not None
+            else None
         )
         self.scheduler = (
             ParameterScheduler(plan.blocks, self.groups, self.config, self.collectives)
             if self.config.partitions_parameters
             else None
         )
-        self.reducer = GradientReducer(
-            self.groups,
-            self.config.stage,
-            self.collectives,
-            self.config.overlap_comm,
-            on_unit_reduced=self.scheduler.on_unit_reduced if self.scheduler else None,
-            on_backward_end=self.scheduler.release_all if self.scheduler else None,
+        # Inference only: no gradient hooks at all, so nothing can start a reduction into buffers
+        # that do not exist.
+        self.reducer = (
+            GradientReducer(
+                self.groups,
+                self.config.stage,
+                self.collectives,
+                self.config.overlap_comm,
+                on_unit_reduced=self.scheduler.on_unit_reduced if self.scheduler else None,
+                on_backward_end=self.scheduler.release_all if self.scheduler else None,
+            )
+            if optimizer is not None
+            else None
         )
         self.global_steps = 0
         self._engine_backwards = 0
 
     # ------------------------------------------------------------------ the training loop
+    @property
+    def inference_only(self) -> bool:
+        """Built without an optimizer: sharded parameters, nothing to train with."""
+        return self.optimizer is None
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inference_only:
+            # No graph: nothing could run its backward, and with gradients enabled stage 3 would keep
+            # the root block gathered for that backward.
+            with torch.no_grad():
+                return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
+
+    def _require_optimizer(self, action: str) -> None:
+        if self.inference_only:
+            raise RuntimeError(
+                f"{action} needs an optimizer: this engine was built for inference only "
+                "(initialize(model, None, ...)); pass an optimizer to train"
+            )
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` (times the fp16 loss scale); gradients are reduced as they are ready."""
+        self._require_optimizer("backward")
         self._engine_backwards += 1
         scale = self.loss_scaler.scale
         # The scaled loss is formed in fp32: a 16-bit loss times 2^16 would overflow right here.
@@ -145,6 +185,7 @@ class ZeroEngine(nn.Module):
 
     def step(self) -> bool:
         """Clip, update this rank's shard, re-materialize the parameters; False if skipped (overflow)."""
+        self._require_optimizer("step")
         if self.loss_scaler.scale != 1.0 and len(self.reducer.backward_passes) > self._engine_backwards:
             raise RuntimeError(
                 "a backward pass ran without engine.backward(loss): with fp16 the loss must be scaled by the "
@@ -163,6 +204,7 @@ class ZeroEngine(nn.Module):
         For `Accelerator.clip_grad_norm_`-style loops; `ZeroConfig.gradient_clipping` does the same
         for every step without a call.
         """
+        self._require_optimizer("clip_grad_norm_")
         return self.optimizer.clip_grad_norm_(max_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -174,6 +216,7 @@ class ZeroEngine(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Micro-steps of gradient accumulation: stages 0-1 skip the reduction until the step's last
         backward (outside this context); stages 2-3 still reduce each micro-step into the shards."""
+        self._require_optimizer("no_sync")
         previous = self.reducer.sync
         self.reducer.sync = False
         try:
@@ -184,7 +227,7 @@ class ZeroEngine(nn.Module):
     # ------------------------------------------------------------------ state
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last step, before clipping (None before the first step)."""
-        return self.optimizer.global_grad_norm
+        return self.optimizer.global_grad_norm if self.optimizer is not None else None
 
     @property
     def loss_scale(self) -> float:
@@ -192,7 +235,7 @@ class ZeroEngine(nn.Module):
 
     @property
     def step_was_skipped(self) -> bool:
-        return self.optimizer.step_was_skipped
+        return self.optimizer is not None and self.optimizer.step_was_skipped
 
     @property
     def world_size(self) -> int:
@@ -232,11 +275,13 @@ class ZeroEngine(nn.Module):
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """Every rank writes its own shard (fp32 master + optimizer state) to `directory`. Collective."""
+        self._require_optimizer("save_checkpoint")
         save_engine(self, directory)
 
     def load_checkpoint(self, directory: str | Path, verify: bool = True) -> dict[str, Any]:
         """This rank's shard from a checkpoint saved at any world size and stage (see [Note: reshaping] in
         checkpoint.py); `verify` checks the files' sha256. Returns the manifest."""
+        self._require_optimizer("load_checkpoint")
         return load_engine(self, directory, verify=verify)
 
     def memory_stats(self) -> dict[str, int]:
@@ -246,9 +291,10 @@ class ZeroEngine(nn.Module):
         for group in self.groups:
             for kind, nbytes in group.memory_bytes().items():
                 totals[kind] += nbytes
-        totals["optimizer_state"] = self.optimizer.state_bytes()
+        totals["optimizer_state"] = self.optimizer.state_bytes() if self.optimizer is not None else 0
         # the offloaded step's 16-bit copies of the parameter shard, on their way to the device
-        totals["params"] += sum(copy.untyped_storage().nbytes() for copy in self.optimizer.host_copies())
+        copies = self.optimizer.host_copies() if self.optimizer is not None else []
+        totals["params"] += sum(copy.untyped_storage().nbytes() for copy in copies)
         totals["total"] = sum(totals.values())
         host = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.host_tensors()}
         totals["host"] = sum(host.values())
@@ -259,7 +305,7 @@ class ZeroEngine(nn.Module):
         """What CPU offload keeps in host memory: master and optimizer state, the stage 2-3 gradient
         shard (and gradients in transit), the 16-bit copies the step writes, the stage 3 parameter shard."""
         tensors = [t for group in self.groups for t in group.host_tensors()]
-        if self.config.offload_optimizer == "cpu":
+        if self.config.offload_optimizer == "cpu" and self.optimizer is not None:
             tensors += self.optimizer.state_tensors() + self.optimizer.host_copies()
         return tensors
 
@@ -307,8 +353,9 @@ class ZeroEngine(nn.Module):
         """Frozen parameters compute in the same dtype as the sharded ones."""
         if self.compute_dtype == torch.float32:
             return
+        sharded = {id(p) for group in self.groups for p in group.params}  # inference: frozen but sharded
         for param in self.module.parameters():
-            if not param.requires_grad and param.is_floating_point():
+            if not param.requires_grad and param.is_floating_point() and id(param) not in sharded:
                 param.data = param.data.to(self.compute_dtype)
 
 
@@ -342,7 +389,7 @@ def _check_backend(device: torch.device, collectives: Collectives) -> None:
 
 def initialize(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     config: ZeroConfig | Mapping[str, Any] | str | Path | None = None,
     process_group: dist.ProcessGroup | None = None,
     *,
@@ -358,6 +405,9 @@ def initialize(
     unsharded model, at every world size and stage. With `pretrained` (a Transformers safetensors
     checkpoint; `meta_from_pretrained` records it on the model) each rank reads only its slices of
     the checkpoint instead (see [Note: pretrained shards] in pretrained.py).
+
+    `optimizer=None` builds an inference-only engine (see `ZeroEngine`): e.g. stage 3 generation
+    of a model too large for one rank.
     """
     return ZeroEngine(
         model, optimizer, config, process_group, device=device, init_seed=init_seed, pretrained=pretrained

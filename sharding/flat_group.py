@@ -36,8 +36,10 @@ class FlatGroup:
         placement: Placement,
         collectives: Collectives,
         alignment: int = 1,
+        trainable: bool = True,
     ):
         self.index = plan.index
+        self.trainable = trainable  # False: an inference-only engine, which needs no gradient buffers
         self.params: list[nn.Parameter] = plan.params
         self.stage = stage
         self.collectives = collectives
@@ -136,7 +138,8 @@ class FlatGroup:
                 self.shard = self.master.to(device=self.device, dtype=self.compute_dtype, copy=True)
         self._point_params_at_buffers()
         self.param_views = []  # the parameters are the views now
-        self._allocate_gradients()
+        if self.trainable:
+            self._allocate_gradients()
 
     def _point_params_at_buffers(self) -> None:
         for view, param in zip(self.param_views, self.params, strict=True):

@@ -43,8 +43,13 @@ class ShardingPlan:
     device: torch.device
 
 
-def plan_sharding(module: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig) -> ShardingPlan:
-    """Validate the inputs and plan the units; raises ValueError naming the problem."""
+def plan_sharding(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None, config: ZeroConfig
+) -> ShardingPlan:
+    """Validate the inputs and plan the units; raises ValueError naming the problem.
+
+    Without an optimizer (an inference-only engine) every parameter is sharded, in one group:
+    frozen ones too, since an inference model is usually frozen and sharding it is the point."""
     named = list(module.named_parameters())  # tied parameters appear once, under their first name
     if not named:
         raise ValueError("the model has no parameters")
@@ -56,9 +61,10 @@ def plan_sharding(module: nn.Module, optimizer: torch.optim.Optimizer, config: Z
     names = {id(p): name for name, p in named}
     order = {id(p): i for i, (_, p) in enumerate(named)}
 
+    param_groups = optimizer.param_groups if optimizer is not None else [{"params": [p for _, p in named]}]
     groups: list[GroupPlan] = []
     seen: set[int] = set()
-    for index, group in enumerate(optimizer.param_groups):
+    for index, group in enumerate(param_groups):
         params = []
         for p in group["params"]:
             if id(p) not in names:
@@ -69,7 +75,7 @@ def plan_sharding(module: nn.Module, optimizer: torch.optim.Optimizer, config: Z
             if id(p) in seen:
                 raise ValueError(f"parameter {names[id(p)]} appears in more than one optimizer param group")
             seen.add(id(p))
-            if p.requires_grad:  # frozen parameters stay whole and untouched, as with DDP
+            if p.requires_grad or optimizer is None:  # frozen ones stay whole when training, as with DDP
                 params.append(p)
         params.sort(key=lambda p: order[id(p)])
         groups.append(GroupPlan(index, params, [names[id(p)] for p in params]))

@@ -7,7 +7,7 @@ import torch
 from transformers import GenerationConfig
 
 from tnlg import TNLGConfig, TNLGForCausalLM
-from tnlg.generation import GenerationSettings, generate_texts, load_model_and_tokenizer
+from tnlg.generation import GenerationSettings, generate_texts, load_model_and_tokenizer, load_tokenizer_for
 from tnlg.tokenization import byte_level_tokenizer
 
 
@@ -98,6 +98,18 @@ def test_sampling_with_and_without_cache_draws_the_same_tokens(model):
         input_ids, attention_mask=mask, generation_config=GenerationConfig(use_cache=False, **config)
     )
     assert torch.equal(cached, uncached)
+
+
+def test_load_tokenizer_for_pads_on_the_left_with_eos(tmp_path):
+    assert load_tokenizer_for("debug").padding_side == "left"
+    saved = byte_level_tokenizer()
+    saved.pad_token, saved.padding_side = None, "right"
+    saved.save_pretrained(tmp_path)
+    loaded = load_tokenizer_for(tmp_path)
+    assert loaded.padding_side == "left" and loaded.pad_token_id == loaded.eos_token_id == 256
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no tokenizer"):
+        load_tokenizer_for(tmp_path / "empty")
 
 
 def test_tokenizer_too_large_for_the_model_is_refused(tmp_path):

@@ -7,6 +7,7 @@ directory (with its tokenizer when one was saved) or from a preset with random w
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from tnlg.modeling import TNLGConfig, TNLGForCausalLM
 from tnlg.tokenization import byte_level_tokenizer
 
 logger = logging.getLogger(__name__)
+
+# A prompt is text, or token ids already encoded (e.g. truncated to fit the context window).
+Prompt = str | list[int]
 
 
 @dataclass(frozen=True)
@@ -54,13 +58,34 @@ def load_model_and_tokenizer(
 ) -> tuple[TNLGForCausalLM, PreTrainedTokenizerBase]:
     """`model` is a checkpoint directory or a preset name (random weights).
 
-    The tokenizer comes from `tokenizer` (a directory, or `byte-level`), else from the checkpoint
-    directory; a preset uses the byte-level tokenizer. A checkpoint saved without a tokenizer needs
-    `tokenizer`: guessing one would decode its ids into the wrong text.
+    The tokenizer is `load_tokenizer_for(model, tokenizer)`'s.
+    """
+    loaded = load_tokenizer_for(model, tokenizer)
+    if Path(model).is_dir():
+        network = TNLGForCausalLM.from_pretrained(model, dtype=dtype)
+    else:
+        config = TNLGConfig.from_preset(
+            str(model), bos_token_id=loaded.eos_token_id, eos_token_id=loaded.eos_token_id
+        )
+        logger.info("random %s model: %s", model, config.describe())
+        network = TNLGForCausalLM(config).to(dtype)
+    check_vocabulary(loaded, network.config.vocab_size)
+    return network.to(device).eval(), loaded
+
+
+BYTE_LEVEL = "byte-level"
+
+
+def load_tokenizer_for(model: str | Path, tokenizer: str | Path | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer to generate with from `model` (a checkpoint directory or a preset name), set up
+    for batched generation: padding on the left, EOS as the padding token when it has none.
+
+    It comes from `tokenizer` (a directory, or `byte-level`), else from the checkpoint directory; a
+    preset uses the byte-level tokenizer. A checkpoint saved without a tokenizer needs `tokenizer`:
+    guessing one would decode its ids into the wrong text.
     """
     path = Path(model)
     if path.is_dir():
-        network = TNLGForCausalLM.from_pretrained(path, dtype=dtype)
         source = tokenizer or (path if _has_tokenizer(path) else None)
         if source is None:
             raise ValueError(
@@ -69,29 +94,23 @@ def load_model_and_tokenizer(
             )
     elif str(model) in TNLGConfig.presets():
         source = tokenizer or BYTE_LEVEL
-        network = None
     else:
         raise ValueError(
             f"{model!r} is neither a checkpoint directory nor a preset; presets: {sorted(TNLGConfig.presets())}"
         )
     loaded = byte_level_tokenizer() if str(source) == BYTE_LEVEL else AutoTokenizer.from_pretrained(source)
-    if network is None:
-        config = TNLGConfig.from_preset(
-            str(model), bos_token_id=loaded.eos_token_id, eos_token_id=loaded.eos_token_id
-        )
-        logger.info("random %s model: %s", model, config.describe())
-        network = TNLGForCausalLM(config).to(dtype)
-    if len(loaded) > network.config.vocab_size:
-        raise ValueError(
-            f"tokenizer has {len(loaded)} tokens but the model's vocabulary has {network.config.vocab_size} rows"
-        )
     if loaded.pad_token is None:
         loaded.pad_token = loaded.eos_token
     loaded.padding_side = "left"  # decoder-only: new tokens must follow the prompt directly
-    return network.to(device).eval(), loaded
+    return loaded
 
 
-BYTE_LEVEL = "byte-level"
+def check_vocabulary(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    """A tokenizer with more ids than the model has embedding rows would index past them."""
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab_size} rows"
+        )
 
 
 def _has_tokenizer(path: Path) -> bool:
@@ -102,17 +121,37 @@ def _has_tokenizer(path: Path) -> bool:
 def generate_texts(
     model: TNLGForCausalLM,
     tokenizer: PreTrainedTokenizerBase,
-    prompts: list[str],
+    prompts: Sequence[Prompt],
     settings: GenerationSettings = GenerationSettings(),
     batch_size: int = 8,
 ) -> list[str]:
-    """Continuations (without the prompt) of each prompt, decoded; batched with left padding."""
+    """Continuations (without the prompt) of each prompt (text or token ids), decoded; batched with
+    left padding."""
     config = settings.to_generation_config(tokenizer)
     completions: list[str] = []
     for start in range(0, len(prompts), batch_size):
-        batch = tokenizer(prompts[start : start + batch_size], return_tensors="pt", padding=True)
-        batch = batch.to(model.device)
-        output = model.generate(**batch, generation_config=config)
-        new_tokens = output[:, batch["input_ids"].shape[1] :]
-        completions.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
+        completions.extend(generate_batch(model, tokenizer, prompts[start : start + batch_size], config))
     return completions
+
+
+def generate_batch(
+    model: TNLGForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Prompt],
+    config: GenerationConfig,
+    synced_gpus: bool | None = None,
+) -> list[str]:
+    """One `generate` call over `prompts` (left padded), decoded without the prompts.
+
+    `synced_gpus=True` keeps this process running forward passes after its own sequences are done,
+    until every rank's are: what a model whose forward is collective (ZeRO stage 3) needs. None is
+    Transformers' default (on for DeepSpeed ZeRO-3 and FSDP models only).
+    """
+    if all(isinstance(prompt, str) for prompt in prompts):
+        batch = tokenizer(list(prompts), return_tensors="pt", padding=True)
+    else:
+        batch = tokenizer.pad({"input_ids": [list(prompt) for prompt in prompts]}, return_tensors="pt")
+    batch = batch.to(model.device)
+    output = model.generate(**batch, generation_config=config, synced_gpus=synced_gpus)
+    new_tokens = output[:, batch["input_ids"].shape[1] :]
+    return tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
