@@ -22,7 +22,7 @@ import os
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,11 +68,22 @@ def embedded_corpus(
     corpus = EmbeddedCorpus(directory)
     if all(f.is_file() for split in ("train", "validation") for f in corpus.files(split)):
         return corpus
+
+    def write(staging: Path) -> None:
+        for subset, documents in (("PythonStdlibCode", _stdlib_sources()), ("PythonDocs", _english_docs())):
+            _write_subset(staging, subset, documents, max_bytes_per_subset)
+
+    build_atomically(directory, write)
+    logger.info("embedded corpus ready in %s", directory)
+    return corpus
+
+
+def build_atomically(directory: Path, write: Callable[[Path], None]) -> None:
+    """Run `write` on a staging directory beside `directory`, then rename it to `directory`."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory.parent) as staging:
         staging = Path(staging)
-        for subset, documents in (("PythonStdlibCode", _stdlib_sources()), ("PythonDocs", _english_docs())):
-            _write_subset(staging, subset, documents, max_bytes_per_subset)
+        write(staging)
         try:
             staging.rename(directory)  # atomic: another process either sees all files or none
         except OSError:
@@ -80,8 +91,6 @@ def embedded_corpus(
                 raise
         else:
             staging.mkdir()  # TemporaryDirectory removes its (now empty) path on exit
-    logger.info("embedded corpus ready in %s", directory)
-    return corpus
 
 
 def _stdlib_directory() -> Path:
