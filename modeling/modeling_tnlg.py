@@ -363,6 +363,11 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
+        if use_cache is None and labels is not None and past_key_values is None:
+            # A loss needs no cache: building one would hold every layer's keys and values for
+            # nothing, and a cache turns off Transformers' packed-sequence masking (positions
+            # restarting at 0 keep packed examples apart only without one).
+            use_cache = False
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -18,8 +18,9 @@ import torch
 
 from tests.distributed import free_port, run_distributed
 from tnlg import TNLGConfig, TNLGForCausalLM
-from tnlg.distributed_generation import generate_on_ranks, load_sharded_model, rank_slice
+from tnlg.distributed_generation import generate_on_ranks, load_sharded_model
 from tnlg.generation import GenerationSettings, generate_texts, load_model_and_tokenizer
+from tnlg.ranks import rank_slice
 from tnlg.sharding import ZeroConfig
 from tnlg.tokenization import byte_level_tokenizer
 

@@ -68,6 +68,10 @@ def test_generate_texts_from_a_preset_in_batches():
     alone = [generate_texts(model, tokenizer, [p], settings)[0] for p in prompts]
     assert batched == alone
     assert len(batched) == 3
+    # a tokenizer set up to pad on the right (as for training) still generates left-padded batches
+    tokenizer.padding_side, tokenizer.pad_token = "right", None
+    assert generate_texts(model, tokenizer, prompts, settings, batch_size=3) == alone
+    assert (tokenizer.padding_side, tokenizer.pad_token) == ("right", None)  # and is left as it was
 
 
 def test_load_model_refuses_unknown_names():

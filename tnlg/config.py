@@ -13,9 +13,11 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
+
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True)
@@ -134,6 +136,11 @@ class RunConfig:
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """A `RunConfig` from a YAML file (or the defaults) with `--section.key value` overrides applied."""
+    return load_config(RunConfig, path, overrides)
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | None = None) -> T:
+    """A `cls` config (a dataclass of sections) from a YAML file (or the defaults) with overrides."""
     raw: dict[str, Any] = {}
     if path is not None:
         loaded = yaml.safe_load(Path(path).read_text())
@@ -142,7 +149,7 @@ def load_run_config(path: str | Path | None, overrides: list[str] | None = None)
         raw = loaded or {}
     for dotted, value in _pairs(overrides or []):
         _set_dotted(raw, dotted, yaml.safe_load(value))
-    return build(RunConfig, raw, "")
+    return build(cls, raw, "")
 
 
 def _pairs(arguments: list[str]) -> list[tuple[str, str]]:

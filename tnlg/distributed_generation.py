@@ -34,6 +34,7 @@ from tnlg.generation import (
     load_tokenizer_for,
 )
 from tnlg.modeling import TNLGForCausalLM
+from tnlg.ranks import rank_slice
 from tnlg.sharding import ZeroConfig, ZeroEngine, initialize, meta_from_pretrained
 
 logger = logging.getLogger(__name__)
@@ -89,14 +90,6 @@ def load_sharded_model(
     check_vocabulary(loaded, model.config.vocab_size)
     engine = initialize(model, None, config, device=device)
     return engine.eval(), loaded
-
-
-def rank_slice(count: int, rank: int, world_size: int) -> tuple[int, int]:
-    """`[start, end)` of rank `rank`'s contiguous share of `count` items: shares differ by at most one,
-    the larger ones first, so concatenating the shares in rank order restores the original order."""
-    base, extra = divmod(count, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
 
 
 @torch.inference_mode()

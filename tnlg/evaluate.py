@@ -11,6 +11,10 @@ Last-word accuracy (LAMBADA, Paperno et al. 2016): a passage's last whitespace-s
 target; greedy decoding must produce all of its tokens. This is checked in one forward pass (teacher
 forcing): greedy decoding produces the word exactly when the argmax at each of its positions is its
 next token.
+
+Both run distributed when a process group exists: each rank takes a contiguous share of the windows
+or passages, ranks with a shorter share repeat one with no weight (so that under ZeRO stage 3, where
+every forward pass is collective, all ranks run as many), and the sums are all-reduced.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tnlg.ranks import all_ranks_sum, model_device, rank_share
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,21 @@ class PerplexityResult:
         }
 
 
+def sliding_windows(tokens: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored) of each window over a stream of `tokens` tokens."""
+    windows, begin, scored_until = [], 0, 1  # tokens before scored_until are scored (token 0 never is)
+    while True:
+        end = min(begin + max_length, tokens)
+        # a window's first token has no context in it: its scored targets start one later at least
+        first = max(scored_until, begin + 1)
+        if first < end:
+            windows.append((begin, end, first))
+        scored_until = end
+        if end == tokens:
+            return windows
+        begin += stride
+
+
 @torch.no_grad()
 def perplexity(
     model: nn.Module,
@@ -57,7 +78,8 @@ def perplexity(
     text_bytes: int | None = None,
     device: torch.device | str | None = None,
 ) -> PerplexityResult:
-    """Sliding-window perplexity of a token stream (see the module docstring)."""
+    """Sliding-window perplexity of a token stream (see the module docstring). With a process group,
+    each rank scores a contiguous share of the windows and every rank returns the total."""
     ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
     stride = max_length if stride is None else stride
     if max_length < 2:
@@ -66,24 +88,18 @@ def perplexity(
         raise ValueError(f"stride must be in [1, max_length={max_length}], got {stride}")
     if ids.numel() < 2:
         raise ValueError(f"the text has {ids.numel()} token(s): perplexity needs at least 2")
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    total, count = 0.0, 0
-    begin, scored_until = 0, 1  # tokens before scored_until are scored (token 0 never is)
-    while True:
-        end = min(begin + max_length, ids.numel())
-        # a window's first token has no context in it: its scored targets start one later at least
-        first = max(scored_until, begin + 1)
-        if first < end:
-            window = ids[begin:end].to(device)[None]  # (1, W)
-            logits = model(input_ids=window).logits[0]  # (W, V); position t predicts token t + 1
-            log_probs = F.log_softmax(logits[first - begin - 1 : end - begin - 1].float(), dim=-1)
-            targets = window[0, first - begin : end - begin]
-            total -= log_probs.gather(1, targets[:, None]).sum().item()
-            count += targets.numel()
-        scored_until = end
-        if end == ids.numel():
-            return PerplexityResult(total, count, text_bytes)
-        begin += stride
+    device = torch.device(device) if device is not None else model_device(model)
+    windows = sliding_windows(ids.numel(), max_length, stride)
+    totals = torch.zeros(2, dtype=torch.float64)  # [summed NLL, tokens scored]
+    for (begin, end, first), weight in rank_share(windows):
+        window = ids[begin:end].to(device)[None]  # (1, W)
+        logits = model(input_ids=window).logits[0]  # (W, V); position t predicts token t + 1
+        log_probs = F.log_softmax(logits[first - begin - 1 : end - begin - 1].float(), dim=-1)
+        targets = window[0, first - begin : end - begin]
+        nll = -log_probs.gather(1, targets[:, None]).sum().item()
+        totals += weight * torch.tensor([nll, targets.numel()], dtype=torch.float64)
+    totals = all_ranks_sum(totals)
+    return PerplexityResult(totals[0].item(), int(totals[1].item()), text_bytes)
 
 
 @dataclass(frozen=True)
@@ -119,9 +135,9 @@ def last_word_accuracy(
     """How many passages greedy decoding completes with exactly their last word (multi-token words too)."""
     if not passages:
         raise ValueError("no passages to evaluate")
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    correct = 0
-    for passage in passages:
+    device = torch.device(device) if device is not None else model_device(model)
+    correct = torch.zeros(1, dtype=torch.float64)
+    for passage, weight in rank_share(list(passages)):
         context, word = split_last_word(passage)
         context_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
         word_ids = tokenizer(word, add_special_tokens=False)["input_ids"]
@@ -130,5 +146,5 @@ def last_word_accuracy(
         ids = torch.tensor([context_ids + word_ids], device=device)
         logits = model(input_ids=ids).logits[0]  # (T, V)
         predicted = logits[len(context_ids) - 1 : -1].argmax(-1)
-        correct += int(torch.equal(predicted.cpu(), torch.tensor(word_ids)))
-    return LastWordResult(correct, len(passages))
+        correct += weight * float(torch.equal(predicted.cpu(), torch.tensor(word_ids)))
+    return LastWordResult(int(all_ranks_sum(correct).item()), len(passages))

@@ -44,7 +44,7 @@ class GenerationSettings:
             do_sample=self.do_sample,
             num_beams=self.num_beams,
             use_cache=self.use_cache,
-            pad_token_id=tokenizer.pad_token_id,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             **(sampling if self.do_sample else {}),
         )
@@ -147,10 +147,21 @@ def generate_batch(
     until every rank's are: what a model whose forward is collective (ZeRO stage 3) needs. None is
     Transformers' default (on for DeepSpeed ZeRO-3 and FSDP models only).
     """
-    if all(isinstance(prompt, str) for prompt in prompts):
-        batch = tokenizer(list(prompts), return_tensors="pt", padding=True)
-    else:
-        batch = tokenizer.pad({"input_ids": [list(prompt) for prompt in prompts]}, return_tensors="pt")
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+        raise ValueError("batched generation pads with the tokenizer's pad or eos token; it has neither")
+    # Left padding whatever the tokenizer was set up for (a training tokenizer often pads right):
+    # new tokens must follow each prompt directly.
+    side, pad = tokenizer.padding_side, tokenizer.pad_token
+    tokenizer.padding_side = "left"
+    if pad is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    try:
+        if all(isinstance(prompt, str) for prompt in prompts):
+            batch = tokenizer(list(prompts), return_tensors="pt", padding=True)
+        else:
+            batch = tokenizer.pad({"input_ids": [list(prompt) for prompt in prompts]}, return_tensors="pt")
+    finally:
+        tokenizer.padding_side, tokenizer.pad_token = side, pad
     batch = batch.to(model.device)
     output = model.generate(**batch, generation_config=config, synced_gpus=synced_gpus)
     new_tokens = output[:, batch["input_ids"].shape[1] :]

@@ -1,5 +1,6 @@
-"""The pretraining run shared by the scripts: build everything from a `RunConfig`, train, evaluate,
-checkpoint, resume, and save a model that `from_pretrained` loads."""
+"""The training run shared by the scripts: build everything from a config, train, evaluate, checkpoint,
+resume, and save a model that `from_pretrained` loads. `pretrain` is the pretraining job; fine-tuning
+(tnlg.finetune) runs the same loop with its own data, evaluation and (LoRA) model."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate.tracking import get_available_trackers
 from accelerate.utils import LoggerType, ProjectConfiguration
+from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
@@ -46,7 +50,7 @@ def default_tokenizer(vocab_size: int) -> PreTrainedTokenizerBase:
     return load_tokenizer(directory)
 
 
-def run_tokenizer(config: RunConfig) -> PreTrainedTokenizerBase:
+def run_tokenizer(config: Any) -> PreTrainedTokenizerBase:
     """`data.tokenizer`; "default" is the checkpoint's own tokenizer when the run starts from one that
     has it, else the byte-level BPE of the embedded corpus at the model's vocabulary size."""
     init_from = config.model.init_from
@@ -59,7 +63,8 @@ def run_tokenizer(config: RunConfig) -> PreTrainedTokenizerBase:
     return default_tokenizer(TNLGConfig.from_preset(config.model.preset, **config.model.overrides).vocab_size)
 
 
-def model_config(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> TNLGConfig:
+def model_config(config: Any, tokenizer: PreTrainedTokenizerBase, seq_len: int) -> TNLGConfig:
+    """The architecture: `model.init_from`'s config, else the preset; both with `model.overrides`."""
     overrides = dict(config.model.overrides)
     if config.model.init_from:  # the checkpoint's architecture and special tokens
         model = TNLGConfig.from_pretrained(config.model.init_from, **overrides)
@@ -71,9 +76,9 @@ def model_config(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> TNLGC
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens, the model's vocabulary {model.vocab_size}"
         )
-    if config.data.seq_len > model.max_position_embeddings:
+    if seq_len > model.max_position_embeddings:
         raise ValueError(
-            f"data.seq_len {config.data.seq_len} exceeds the model's max_position_embeddings "
+            f"the sequence length {seq_len} exceeds the model's max_position_embeddings "
             f"{model.max_position_embeddings}"
         )
     return model
@@ -175,8 +180,60 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+@dataclass
+class TrainingJob:
+    """What a run trains on, around the loop that pretraining and fine-tuning share.
+
+    `batches(tokenizer, rank, world)` is this rank's endless, resumable batch iterable (it has
+    `state_dict` / `load_state_dict`); `evaluate(model, tokenizer, accelerator)` gives metrics
+    every `train.eval_every` steps; `build_model(architecture)` returns the module to shard (by
+    default the model on the meta device, read from `model.init_from` shard by shard when set);
+    `save_model(accelerator, model, tokenizer, directory)` writes the final model (by default a
+    Transformers checkpoint); `final_evaluation(model, tokenizer, accelerator)` runs after the last
+    step (with `evaluate_after`) and before the first (with `evaluate_before`), its metrics returned
+    under "evaluation".
+    """
+
+    name: str
+    seq_len: int
+    batches: Callable[[PreTrainedTokenizerBase, int, int], Any]
+    evaluate: Callable[[nn.Module, PreTrainedTokenizerBase, Any], dict[str, float]] | None = None
+    build_model: Callable[[TNLGConfig, RunConfig], nn.Module] | None = None
+    save_model: Callable[[Any, nn.Module, PreTrainedTokenizerBase, Path], None] | None = None
+    final_evaluation: Callable[[nn.Module, PreTrainedTokenizerBase, Any], dict[str, Any]] | None = None
+    evaluate_before: bool = False
+    evaluate_after: bool = True
+
+
 def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
     """Train per `config`; returns the losses logged (main process) and where the model was saved."""
+
+    def evaluate(model, tokenizer, accelerator) -> dict[str, float]:
+        perplexity = evaluate_perplexity(model, config, tokenizer, accelerator)
+        return {} if perplexity is None else {"eval_perplexity": perplexity}
+
+    job = TrainingJob(
+        name="pretraining",
+        seq_len=config.data.seq_len,
+        batches=lambda tokenizer, rank, world: training_stream(config, tokenizer, rank, world),
+        evaluate=evaluate,
+    )
+    return run_training(config, job, resume)
+
+
+def meta_model(architecture: TNLGConfig, config: Any) -> nn.Module:
+    """The model on the meta device: the engine builds each rank's shards, from `model.init_from`'s
+    slices when set, else from the seeded initialization."""
+    with torch.device("meta"):
+        model = TNLGForCausalLM(architecture)
+    if config.model.init_from:  # each rank reads only its shards of the checkpoint
+        set_pretrained_source(model, config.model.init_from)
+    return model
+
+
+def run_training(config: Any, job: TrainingJob, resume: str | None = None) -> dict[str, Any]:
+    """The shared loop: `config` has the model / zero / optimizer / train / logging sections of a
+    `RunConfig` (and `data.tokenizer`); `job` says what is trained on and how it is evaluated."""
     train = config.train
     zero = ZeroConfig.coerce(config.zero.get("deepspeed") if "deepspeed" in config.zero else config.zero)
     output = Path(train.output_dir)
@@ -190,13 +247,11 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
     check_ranks_run_the_same_job(config.to_dict())
     accelerator.init_trackers(config.logging.project, config=flat_hyperparameters(config.to_dict()))
     tokenizer = run_tokenizer(config)
-    architecture = model_config(config, tokenizer)
-    with torch.device("meta"):
-        model = TNLGForCausalLM(architecture)
-    if config.model.init_from:  # each rank reads only its shards of the checkpoint
-        set_pretrained_source(model, config.model.init_from)
-    decay = [p for _, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for _, p in model.named_parameters() if p.dim() < 2]
+    architecture = model_config(config, tokenizer, job.seq_len)
+    model = (job.build_model or meta_model)(architecture, config)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": config.optimizer.weight_decay},
@@ -218,7 +273,7 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
     model, optimizer = accelerator.prepare(model, optimizer)
     engine = accelerator.engines[0]
     rank, world = accelerator.process_index, accelerator.num_processes
-    stream = training_stream(config, tokenizer, rank, world)
+    stream = job.batches(tokenizer, rank, world)
     checkpointer = RunCheckpointer(output / "checkpoints", keep_last=train.keep_last, accelerator=accelerator)
     start_step = 0
     if resume is not None:
@@ -227,32 +282,37 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
             start_step = restored["step"]
             stream.load_state_dict(restored["data"])
             logger.info("resumed from %s at step %d", restored["path"], start_step)
+    evaluation: dict[str, Any] = {}
+    if job.final_evaluation is not None and job.evaluate_before and start_step == 0:
+        evaluation["before"] = job.final_evaluation(model, tokenizer, accelerator)
     batches = iter(stream)
     curve = LossCurve()
-    tokens_per_step = train.micro_batch_size * config.data.seq_len * train.gradient_accumulation_steps * world
-    flops_per_token = architecture.flops_per_token(config.data.seq_len)
+    flops_per_token = architecture.flops_per_token(job.seq_len)
     peak = train.peak_flops or peak_flops_per_device(accelerator.device, train.mixed_precision)
     progress = tqdm(
         total=train.max_steps,
         initial=start_step,
         disable=not accelerator.is_main_process,
-        desc="pretraining",
+        desc=job.name,
         dynamic_ncols=True,
     )
     model.train()
     nonfinite_steps = 0
     for step in range(start_step, train.max_steps):
         started = time.perf_counter()
-        total = torch.zeros((), device=accelerator.device)
+        # [mean loss, tokens]: reduced together, one collective per step
+        totals = torch.zeros(2, device=accelerator.device)
         for _ in range(train.gradient_accumulation_steps):
             batch = {k: v.to(accelerator.device) for k, v in next(batches).items()}
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
-                total += loss.detach() / train.gradient_accumulation_steps
+                totals[0] += loss.detach() / train.gradient_accumulation_steps
+                totals[1] += batch["input_ids"].numel()
                 if accelerator.sync_gradients:
                     # Every rank gets the same mean, so all of them take the same decision below.
-                    mean_loss = accelerator.reduce(total, "mean").item()
+                    reduced = accelerator.reduce(totals, "sum")
+                    mean_loss, step_tokens = reduced[0].item() / world, reduced[1].item()
                     finite = math.isfinite(mean_loss)
                     if finite:
                         optimizer.step()
@@ -263,7 +323,7 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
         if finite:
             scheduler.step()
         seconds = time.perf_counter() - started
-        tokens_per_second = tokens_per_step / seconds
+        tokens_per_second = step_tokens / seconds
         curve.add(step + 1, mean_loss)
         metrics = {
             "loss": mean_loss,
@@ -280,25 +340,34 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
         progress.update(1)
         if (step + 1) % config.logging.log_every == 0 or step == start_step:
             progress.set_postfix({k: f"{v:.3g}" for k, v in metrics.items() if v is not None}, refresh=False)
-        if train.eval_every and (step + 1) % train.eval_every == 0:
-            perplexity = evaluate_perplexity(model, config, tokenizer, accelerator)
-            if perplexity is not None:
-                curve.add_eval(step + 1, perplexity)
-                accelerator.log({"eval_perplexity": perplexity}, step=step + 1)
+        if job.evaluate is not None and train.eval_every and (step + 1) % train.eval_every == 0:
+            results = job.evaluate(model, tokenizer, accelerator)
+            if results:
+                curve.add_eval(step + 1, next(iter(results.values())))
+                accelerator.log(results, step=step + 1)
                 if accelerator.is_main_process:
-                    progress.write(f"step {step + 1}: validation perplexity {perplexity:.2f}")
+                    shown = ", ".join(f"{k} {v:.4g}" for k, v in results.items())
+                    progress.write(f"step {step + 1}: {shown}")
         if train.save_every and (step + 1) % train.save_every == 0:
             checkpointer.save(step + 1, engine, scheduler, stream.state_dict(), config.to_dict())
     progress.close()
+    if job.final_evaluation is not None and job.evaluate_after:
+        evaluation["after"] = job.final_evaluation(model, tokenizer, accelerator)
     final = output / "model"
-    accelerator.save_model(model, final, max_shard_size="2GB")
+    if job.save_model is not None:
+        job.save_model(accelerator, model, tokenizer, final)
+    else:
+        accelerator.save_model(model, final, max_shard_size="2GB")
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(final)
     if accelerator.is_main_process:
-        tokenizer.save_pretrained(final)
         curve.save(output)
         (output / "run_config.json").write_text(json.dumps(config.to_dict(), indent=2))
+        if evaluation:
+            (output / "evaluation.json").write_text(json.dumps(evaluation, indent=2))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # closes the trackers (and the process group: nothing collective after it)
-    return {"losses": curve.losses, "model": str(final)}
+    return {"losses": curve.losses, "model": str(final), "evaluation": evaluation}
 
 
 @torch.no_grad()

@@ -1,0 +1,91 @@
+"""Evaluate a TNLG checkpoint: perplexity (sliding window, bits per byte), LAMBADA-style last-word
+accuracy, and a fine-tuning task's metric (ROUGE for summarization, SQuAD EM/F1 for QA).
+
+    python scripts/evaluate.py --model runs/finetune-docstrings/model --config configs/finetune/summarization.yaml
+    python scripts/evaluate.py --model runs/pretrain-debug/model --perplexity notes.txt --stride 64
+    python scripts/evaluate.py --model DIR --lambada lambada_test.jsonl
+    accelerate launch --multi_gpu --num_processes 2 scripts/evaluate.py --model DIR --config CFG --zero-stage 3
+
+With several processes the model is sharded by the ZeRO engine (stage 3 by default: each rank
+reads only its slices) and each rank evaluates a share. Results are printed as a table and merged
+into DIR/eval_results.json. Generation settings come from the config's `evaluation.generation`;
+`--section.key value` overrides any config key (e.g. --evaluation.generation.num_beams 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from tnlg.evaluation_suite import (
+    evaluate_lambada,
+    evaluate_perplexity,
+    evaluate_task,
+    load_for_evaluation,
+    results_table,
+    save_results,
+)
+from tnlg.finetune_config import load_finetune_config
+from tnlg.ranks import rank_and_world
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True, type=Path, help="checkpoint directory")
+    parser.add_argument("--config", type=Path, help="fine-tuning config: evaluate its task")
+    parser.add_argument("--split", help="the task's split to score (default: the config's validation data)")
+    parser.add_argument("--max-examples", type=int, help="default: the config's evaluation.max_examples")
+    parser.add_argument("--perplexity", type=Path, action="append", default=[], help="text or data file")
+    parser.add_argument("--lambada", type=Path, help="jsonl of passages")
+    parser.add_argument("--text-field", default="text", help="the text column of data files")
+    parser.add_argument("--max-length", type=int, help="perplexity window (default: the model's positions)")
+    parser.add_argument("--stride", type=int, help="perplexity window step (default: --max-length)")
+    parser.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[0, 1, 2, 3],
+        help="shard the model (default 3 when launched on several processes)",
+    )
+    parser.add_argument("--zero-config", help="ZeroConfig or DeepSpeed JSON for the sharded model")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if not (args.config or args.perplexity or args.lambada):
+        parser.error("nothing to evaluate: give --config, --perplexity or --lambada")
+    if overrides and not args.config:
+        parser.error(f"config overrides {overrides} need --config")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("transformers").setLevel(logging.WARNING)
+    config = load_finetune_config(args.config, overrides) if args.config else None
+    model, tokenizer = load_for_evaluation(args.model, args.zero_stage, DTYPES[args.dtype], args.zero_config)
+    model_module = getattr(model, "module", model)
+    results: dict[str, dict] = {}
+    for path in args.perplexity:
+        max_length = args.max_length or model_module.config.max_position_embeddings
+        results[f"perplexity:{path.name}"] = evaluate_perplexity(
+            model, tokenizer, path, max_length=max_length, stride=args.stride, text_field=args.text_field
+        )
+    if args.lambada:
+        results[f"lambada:{args.lambada.name}"] = evaluate_lambada(
+            model, tokenizer, args.lambada, args.text_field
+        )
+    if config is not None:
+        results[f"task:{config.task.kind}"] = evaluate_task(
+            model, tokenizer, config, args.split, args.max_examples
+        )
+    path = save_results(args.model, results)
+    if rank_and_world()[0] == 0:
+        print(results_table(results))
+        print(f"written to {path}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

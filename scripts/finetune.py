@@ -1,0 +1,38 @@
+"""Fine-tune a TNLG checkpoint for summarization or question answering with the ZeRO engine.
+
+    accelerate launch --multi_gpu --num_processes 2 scripts/finetune.py --config configs/finetune/summarization.yaml
+    accelerate launch scripts/finetune.py --config configs/finetune/qa.yaml --zero.stage 2 --lora.enabled true
+    accelerate launch scripts/finetune.py --config configs/finetune/summarization.yaml --resume latest
+
+The configs start from the embedded default pretraining run's model (run scripts/pretrain.py
+first, or set --model.init_from to any TNLG checkpoint directory). Any `--section.key value`
+overrides the config; see tnlg/finetune_config.py for every key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from tnlg.finetune import finetune
+from tnlg.finetune_config import load_finetune_config
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "finetune" / "summarization.yaml"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML fine-tuning config")
+    parser.add_argument("--resume", help="'latest' or a checkpoint directory")
+    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("transformers").setLevel(logging.WARNING)
+    return finetune(load_finetune_config(args.config, overrides), resume=args.resume)
+
+
+if __name__ == "__main__":
+    main()

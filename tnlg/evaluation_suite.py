@@ -1,0 +1,137 @@
+"""The evaluations of scripts/evaluate.py on a saved checkpoint, in one process or distributed.
+
+- `perplexity` of a text (a .txt file, or the `text_field` of a json / jsonl / csv / parquet file's
+  rows joined by blank lines) with a sliding window, plus bits per byte;
+- `lambada`: last-word accuracy over a jsonl of passages (`text_field`);
+- `task`: a fine-tuning config's task on its validation rows (or another split): the references'
+  loss and ROUGE (summarization) or SQuAD EM / F1 (QA), with the config's generation settings.
+
+With several processes (`accelerate launch`, torchrun) the model is sharded by the ZeRO engine at
+`zero_stage` (inference only: each rank reads only its slices of the checkpoint under stage 3) and
+every evaluation splits its work across the ranks; results are gathered, the same on every rank.
+Results are written next to the checkpoint (`eval_results.json`, one entry per evaluation, merged
+with earlier ones) and printed as a table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tnlg.data.finetune import encode_rows, load_rows
+from tnlg.distributed_generation import init_process_group_from_environment, load_sharded_model
+from tnlg.evaluate import last_word_accuracy, perplexity
+from tnlg.finetune import pad_id, validation_rows
+from tnlg.finetune_config import FinetuneConfig
+from tnlg.generation import load_model_and_tokenizer
+from tnlg.ranks import rank_and_world
+from tnlg.sharding import ZeroConfig
+from tnlg.task_evaluation import target_loss, task_scores
+
+RESULTS_FILE = "eval_results.json"
+
+
+def load_for_evaluation(
+    model_dir: str | Path,
+    zero_stage: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    zero_config: str | Path | None = None,
+) -> tuple[torch.nn.Module, Any]:
+    """The checkpoint whole in this process, or sharded across the launched ranks by the ZeRO engine
+    (`zero_config`, a ZeroConfig or DeepSpeed JSON, with `zero_stage` overriding its stage; stage 3
+    when several processes are launched and neither says otherwise)."""
+    distributed = init_process_group_from_environment()
+    if distributed or zero_stage is not None or zero_config is not None:
+        config = ZeroConfig.coerce(zero_config) if zero_config is not None else ZeroConfig(stage=3)
+        if zero_stage is not None:
+            config = config.replace(stage=zero_stage)
+        return load_sharded_model(model_dir, config, dtype=dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return load_model_and_tokenizer(model_dir, dtype, device)
+
+
+def read_text(path: str | Path, text_field: str = "text") -> str:
+    path = Path(path)
+    if path.suffix == ".txt":
+        return path.read_text(encoding="utf-8")
+    rows = load_rows(None, [str(path)], "train")
+    if text_field not in rows.column_names:
+        raise ValueError(f"{path} has no column {text_field!r}; columns: {rows.column_names}")
+    return "\n\n".join(str(text) for text in rows[text_field])
+
+
+def evaluate_perplexity(
+    model, tokenizer, path: str | Path, *, max_length: int, stride: int | None, text_field: str = "text"
+) -> dict[str, Any]:
+    text = read_text(path, text_field)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    result = perplexity(
+        model, ids, max_length=max_length, stride=stride, text_bytes=len(text.encode("utf-8"))
+    )
+    return {"source": str(path), "max_length": max_length, "stride": stride or max_length, **result.as_dict()}
+
+
+def evaluate_lambada(model, tokenizer, path: str | Path, text_field: str = "text") -> dict[str, Any]:
+    rows = load_rows(None, [str(path)], "train")
+    if text_field not in rows.column_names:
+        raise ValueError(f"{path} has no column {text_field!r}; columns: {rows.column_names}")
+    return {"source": str(path), **last_word_accuracy(model, tokenizer, rows[text_field]).as_dict()}
+
+
+def evaluate_task(
+    model, tokenizer, config: FinetuneConfig, split: str | None = None, max_examples: int | None = None
+) -> dict[str, Any]:
+    """The config's task on `split` of its source (default: its validation data)."""
+    data, task = config.data, config.task.format()
+    limit = max_examples or config.evaluation.max_examples
+    rows = (
+        load_rows(data.dataset, data.paths, split, data.dataset_config) if split else validation_rows(config)
+    )
+    if rows is None:
+        raise ValueError(
+            "the config names no validation data (data.validation_split / validation_paths): pass --split"
+        )
+    examples = encode_rows(
+        rows, task, tokenizer, on_long_example="skip", max_examples=limit, where="evaluation"
+    )
+    scores = target_loss(model, examples, config.evaluation.batch_size, pad_id(tokenizer))
+    generation = config.evaluation.generation
+    scores |= task_scores(
+        model, tokenizer, rows, task, generation, batch_size=config.evaluation.batch_size,
+        max_examples=limit,
+    )  # fmt: skip
+    return {
+        "task": task.kind,
+        "split": split or "validation",
+        "generation": dataclasses.asdict(generation),
+        **scores,
+    }
+
+
+def save_results(model_dir: str | Path, results: dict[str, dict[str, Any]]) -> Path:
+    """Merge `results` into the checkpoint's eval_results.json (main process only writes)."""
+    path = Path(model_dir) / RESULTS_FILE
+    if rank_and_world()[0] == 0:
+        existing = json.loads(path.read_text()) if path.is_file() else {}
+        path.write_text(json.dumps(existing | results, indent=2))
+    return path
+
+
+def results_table(results: dict[str, dict[str, Any]]) -> str:
+    """evaluation | metric | value, numbers only (samples and settings stay in the JSON)."""
+    rows = [("evaluation", "metric", "value")]
+    for name, metrics in results.items():
+        for metric, value in metrics.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or metric == "max_length":
+                continue
+            shown = f"{value:.4g}" if isinstance(value, float) and math.isfinite(value) else str(value)
+            rows.append((name, metric, shown))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = [" | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "-+-".join("-" * width for width in widths))
+    return "\n".join(lines)
