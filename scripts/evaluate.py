@@ -15,12 +15,12 @@ into DIR/eval_results.json. Generation settings come from the config's `evaluati
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 import torch
 
+from tnlg.cli import configure_logging
 from tnlg.evaluation_suite import (
     evaluate_lambada,
     evaluate_perplexity,
@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("nothing to evaluate: give --config, --perplexity or --lambada")
     if overrides and not args.config:
         parser.error(f"config overrides {overrides} need --config")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("transformers").setLevel(logging.WARNING)
+    configure_logging()
     config = load_finetune_config(args.config, overrides) if args.config else None
     model, tokenizer = load_for_evaluation(args.model, args.zero_stage, DTYPES[args.dtype], args.zero_config)
     model_module = getattr(model, "module", model)

@@ -11,11 +11,9 @@ overrides the config; see tnlg/finetune_config.py for every key.
 
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
 from pathlib import Path
 
+from tnlg.cli import run_arguments
 from tnlg.finetune import finetune
 from tnlg.finetune_config import load_finetune_config
 
@@ -23,14 +21,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "finetune" / 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML fine-tuning config")
-    parser.add_argument("--resume", help="'latest' or a checkpoint directory")
-    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("transformers").setLevel(logging.WARNING)
+    args, overrides = run_arguments(__doc__, DEFAULT_CONFIG, argv)
     return finetune(load_finetune_config(args.config, overrides), resume=args.resume)
 
 

@@ -59,10 +59,15 @@ def read_text(path: str | Path, text_field: str = "text") -> str:
     path = Path(path)
     if path.suffix == ".txt":
         return path.read_text(encoding="utf-8")
+    return "\n\n".join(str(text) for text in text_column(path, text_field))
+
+
+def text_column(path: str | Path, text_field: str) -> list[str]:
+    """The `text_field` of a data file's rows."""
     rows = load_rows(None, [str(path)], "train")
     if text_field not in rows.column_names:
         raise ValueError(f"{path} has no column {text_field!r}; columns: {rows.column_names}")
-    return "\n\n".join(str(text) for text in rows[text_field])
+    return rows[text_field]
 
 
 def evaluate_perplexity(
@@ -77,10 +82,8 @@ def evaluate_perplexity(
 
 
 def evaluate_lambada(model, tokenizer, path: str | Path, text_field: str = "text") -> dict[str, Any]:
-    rows = load_rows(None, [str(path)], "train")
-    if text_field not in rows.column_names:
-        raise ValueError(f"{path} has no column {text_field!r}; columns: {rows.column_names}")
-    return {"source": str(path), **last_word_accuracy(model, tokenizer, rows[text_field]).as_dict()}
+    passages = text_column(path, text_field)
+    return {"source": str(path), **last_word_accuracy(model, tokenizer, passages).as_dict()}
 
 
 def evaluate_task(

@@ -70,15 +70,23 @@ def finetune(config: FinetuneConfig, resume: str | None = None) -> dict[str, Any
             max_length=task.max_length,
         )
 
+    def validation_examples(tokenizer, accelerator, limit: int):
+        """The first `limit` encoded validation examples; encoded once, for both evaluations."""
+        periodic = config.train.eval_batches * config.train.micro_batch_size * accelerator.num_processes
+        encoded = tokenizer_examples(
+            tokenizer, "validation", held_out, max(periodic, config.evaluation.max_examples)
+        )
+        return encoded[:limit]
+
     def evaluate(model, tokenizer, accelerator) -> dict[str, float]:
         # `train.eval_batches` batches per rank, as in pretraining
         limit = config.train.eval_batches * config.train.micro_batch_size * accelerator.num_processes
-        examples = tokenizer_examples(tokenizer, "validation", held_out, limit)
+        examples = validation_examples(tokenizer, accelerator, limit)
         return target_loss(model, examples, config.train.micro_batch_size, pad_id(tokenizer))
 
     def final_evaluation(model, tokenizer, accelerator) -> dict[str, Any]:
         # the references' loss (teacher forcing) and the generated predictions' scores
-        examples = tokenizer_examples(tokenizer, "evaluation", held_out, config.evaluation.max_examples)
+        examples = validation_examples(tokenizer, accelerator, config.evaluation.max_examples)
         loss = target_loss(model, examples, config.evaluation.batch_size, pad_id(tokenizer))
         return loss | task_scores(
             model,
@@ -105,15 +113,9 @@ def finetune(config: FinetuneConfig, resume: str | None = None) -> dict[str, Any
             architecture, cfg.model.init_from, lora, cfg.train.seed
         )
         job.save_model = lambda accelerator, model, tokenizer, directory: save_lora_model(
-            accelerator, model, tokenizer, directory, lora, config.model.init_from, _architecture(model),
-            config.train.seed,
-        )  # fmt: skip
+            accelerator, model, tokenizer, directory, lora, config.model.init_from, config.train.seed
+        )
     return run_training(config, job, resume)
-
-
-def _architecture(engine):
-    """The TNLG config of the (peft-wrapped) model inside the engine."""
-    return engine.module.get_base_model().config
 
 
 def pad_id(tokenizer) -> int:

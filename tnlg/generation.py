@@ -44,7 +44,9 @@ class GenerationSettings:
             do_sample=self.do_sample,
             num_beams=self.num_beams,
             use_cache=self.use_cache,
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id
+            if tokenizer.pad_token_id is not None
+            else tokenizer.eos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             **(sampling if self.do_sample else {}),
         )

@@ -72,14 +72,16 @@ def lora_model(architecture: TNLGConfig, init_from: str | None, section: Any, se
     return wrapped
 
 
-def save_lora_model(accelerator, engine, tokenizer, directory: Path, section: Any, init_from: str | None,
-                    architecture: TNLGConfig, seed: int) -> None:  # fmt: skip
+def save_lora_model(
+    accelerator, engine, tokenizer, directory: Path, section: Any, init_from: str | None, seed: int
+) -> None:
     """Collective: the trained adapters (consolidated from their shards) into `directory/adapter`, and
     merged into a fresh copy of the base weights as a TNLG checkpoint in `directory`."""
     state = accelerator.get_state_dict(engine)  # every rank takes part
     if accelerator.is_main_process:
         peft = _peft()
         adapters = {k: v for k, v in state.items() if "lora_" in k}
+        architecture = engine.module.get_base_model().config
         fresh = peft.get_peft_model(base_model(architecture, init_from, seed), lora_config(section))
         missing = [k for k in fresh.state_dict() if "lora_" in k and k not in adapters]
         if missing:

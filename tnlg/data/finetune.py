@@ -172,6 +172,7 @@ class FinetuneBatches:
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.pad_token_id, self.packing, self.max_length = pad_token_id, packing, max_length
         self.epoch, self.consumed = 0, 0  # rows of this epoch consumed by all ranks together
+        self._shuffled: tuple[int, list] | None = None  # (epoch, its rows): packed once per epoch
         rows = len(self._rows(0))
         if rows < micro_batch_size * world_size:
             raise ValueError(
@@ -180,10 +181,12 @@ class FinetuneBatches:
             )
 
     def _rows(self, epoch: int) -> list[Mapping[str, list[int]]]:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        order = torch.randperm(len(self.examples), generator=generator).tolist()
-        shuffled = [self.examples[i] for i in order]
-        return pack_examples(shuffled, self.max_length) if self.packing else shuffled
+        if self._shuffled is None or self._shuffled[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(len(self.examples), generator=generator).tolist()
+            shuffled = [self.examples[i] for i in order]
+            self._shuffled = (epoch, pack_examples(shuffled, self.max_length) if self.packing else shuffled)
+        return self._shuffled[1]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         slice_rows = self.micro_batch_size * self.world_size
