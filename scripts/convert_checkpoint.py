@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from tnlg.checkpoint import find_engine_checkpoint
+from tnlg.cli import exit_on_input_error
 from tnlg.convert import copy_tokenizer_files, from_gpt2, from_megatron
 from tnlg.sharding.consolidate import consolidate
 
@@ -100,4 +101,4 @@ def consolidate_zero(args: argparse.Namespace, dtype: torch.dtype | None) -> Non
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_input_error(main)()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from tnlg.cli import exit_on_input_error
 from tnlg.memory import (
     OPTIMIZER_STATE_BYTES,
     estimate_memory,
@@ -109,4 +110,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_input_error(main)()

@@ -19,6 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from tnlg.cli import exit_on_input_error
 from tnlg.distributed_generation import (
     generate_on_ranks,
     init_process_group_from_environment,
@@ -109,4 +110,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_input_error(main)()

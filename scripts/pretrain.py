@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tnlg.cli import run_arguments
+from tnlg.cli import exit_on_input_error, run_arguments
 from tnlg.config import load_run_config
 from tnlg.train import pretrain
 
@@ -26,4 +26,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_input_error(main)()

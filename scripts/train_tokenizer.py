@@ -14,6 +14,7 @@ import itertools
 import logging
 from pathlib import Path
 
+from tnlg.cli import exit_on_input_error
 from tnlg.data.corpus import embedded_corpus
 from tnlg.data.sources import DocumentReader, SourceConfig
 from tnlg.data.tokenizer import train_byte_level_bpe
@@ -56,4 +57,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_input_error(main)()

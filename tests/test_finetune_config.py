@@ -25,7 +25,7 @@ def test_overrides_reach_nested_sections():
     config = load_finetune_config(
         CONFIGS[0], ["--lora.enabled", "true", "--evaluation.generation.num_beams", "4", "--zero.stage", "3"]
     )
-    assert config.lora.enabled and config.evaluation.generation.num_beams == 4 and config.zero["stage"] == 3
+    assert config.lora.enabled and config.evaluation.generation.num_beams == 4 and config.zero.stage == 3
     partial = load_finetune_config(None, ["--data.packing", "true"]).data  # no source: the embedded set
     assert (partial.dataset, partial.validation_split, partial.packing) == (
         "embedded:docstrings",

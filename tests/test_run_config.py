@@ -17,7 +17,7 @@ def test_defaults_and_overrides(tmp_path):
     path.write_text("model:\n  preset: debug\n  overrides: {hidden_size: 128}\ntrain:\n  max_steps: 50\n")
     config = load_run_config(path, ["--train.max_steps", "20", "--zero.stage", "3", "--optimizer.lr=1e-3"])
     assert config.model.overrides == {"hidden_size": 128}
-    assert (config.train.max_steps, config.zero["stage"], config.optimizer.lr) == (20, 3, 1e-3)
+    assert (config.train.max_steps, config.zero.stage, config.optimizer.lr) == (20, 3, 1e-3)
     assert config.train.micro_batch_size == 8  # untouched default
 
 
@@ -62,7 +62,7 @@ def test_every_committed_run_config_loads(path):
     config = load_run_config(path)
     model = TNLGConfig.from_preset(config.model.preset, **config.model.overrides)
     assert config.data.seq_len <= model.max_position_embeddings
-    ZeroConfig.coerce(config.zero)  # valid engine settings
+    config.zero.to_zero_config(config.train.mixed_precision)  # valid engine settings
 
 
 def test_the_example_deepspeed_config_parses():

@@ -1,12 +1,47 @@
 """What the run scripts share: their arguments (a YAML config, `--resume`, `--section.key value`
-overrides) and their logging."""
+overrides), their logging, and how a bad input ends them (`exit_on_input_error`)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+# What bad input raises: a config value, a file that is missing, damaged or of the wrong kind, a
+# directory a run would overwrite. The library's messages name the setting or the file, so the message
+# alone is what a user needs; anything else is a bug and keeps its traceback.
+INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)
+TRACEBACK_VARIABLE = "TNLG_TRACEBACK"  # =1 shows the traceback of input errors too
+
+
+def exit_on_input_error(main: Callable[..., T]) -> Callable[..., T]:
+    """Run a script's `main`; an input error ends it with one line `error: <message>` and exit status 2.
+
+    Under a launcher every rank reads the same configs and files (checkpoint reads agree across ranks,
+    see read_on_every_rank), so every rank fails with the same message: only rank 0 prints it, rather
+    than one traceback per rank. `TNLG_TRACEBACK=1` re-raises instead.
+    """
+
+    @functools.wraps(main)
+    def guarded(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except INPUT_ERRORS as error:
+            if os.environ.get(TRACEBACK_VARIABLE) == "1":
+                raise
+            if os.environ.get("RANK", "0") == "0":
+                message = " ".join(str(error).split()) or type(error).__name__
+                print(f"error: {message}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+    return guarded
 
 
 def configure_logging() -> None:

@@ -9,6 +9,7 @@ dotted path, and values are checked against the field's type.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+
+from tnlg.sharding import ZeroConfig
 
 T = TypeVar("T")
 
@@ -69,6 +72,10 @@ class DataSection:
     shuffle_buffer: int = 256
     on_bad_record: str = "skip"
 
+    def __post_init__(self) -> None:
+        require("data.seq_len", self.seq_len, self.seq_len >= 1, ">= 1")
+        require("data.shuffle_buffer", self.shuffle_buffer, self.shuffle_buffer >= 1, ">= 1")
+
 
 @dataclass(kw_only=True)
 class OptimizerSection:
@@ -80,6 +87,19 @@ class OptimizerSection:
     eps: float = 1e-8
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        require("optimizer.lr", self.lr, self.lr > 0, "> 0")
+        require("optimizer.weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0")
+        require(
+            "optimizer.betas",
+            self.betas,
+            len(self.betas) == 2 and all(0 <= beta < 1 for beta in self.betas),
+            "two numbers in [0, 1), e.g. [0.9, 0.95]",
+        )
+        require("optimizer.eps", self.eps, self.eps > 0, "> 0")
+        require("optimizer.warmup_steps", self.warmup_steps, self.warmup_steps >= 0, ">= 0")
+        require("optimizer.min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]")
 
 
 @dataclass(kw_only=True)
@@ -97,12 +117,27 @@ class TrainSection:
     peak_flops: float | None = None  # per device, for MFU; detected on known GPUs
     on_nonfinite_loss: str = "stop"  # "stop": raise with the step and data position; "skip": drop the step
     resume_fallback: bool = False  # --resume latest: a damaged newest checkpoint gives way to an older one
+    # A new run refuses an output_dir that already holds a run's files (checkpoints, model, loss
+    # curve) unless it resumes (--resume) or this is true, which deletes them first.
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
-        if self.on_nonfinite_loss not in ("stop", "skip"):
-            raise ValueError(
-                f"train.on_nonfinite_loss must be 'stop' or 'skip', got {self.on_nonfinite_loss!r}"
-            )
+        for name in (
+            "micro_batch_size",
+            "gradient_accumulation_steps",
+            "max_steps",
+            "eval_batches",
+            "keep_last",
+        ):
+            value = getattr(self, name)
+            require(f"train.{name}", value, value >= 1, ">= 1")
+        for name in ("eval_every", "save_every"):
+            value = getattr(self, name)
+            require(f"train.{name}", value, value >= 0, ">= 0 (0: never)")
+        choose("train.mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
+        choose("train.on_nonfinite_loss", self.on_nonfinite_loss, ("stop", "skip"))
+        if self.peak_flops is not None:
+            require("train.peak_flops", self.peak_flops, self.peak_flops > 0, "> 0")
 
 
 @dataclass(kw_only=True)
@@ -118,20 +153,97 @@ class LoggingSection:
     trackers: list[str] = field(default_factory=lambda: ["auto"])
     project: str = "tnlg"
 
+    def __post_init__(self) -> None:
+        require("logging.log_every", self.log_every, self.log_every >= 1, ">= 1")
+
+
+# A run's ZeRO stage when neither its config nor a DeepSpeed JSON names one: stage 2 shards gradients
+# and optimizer state at no extra communication over data parallelism (ZeroConfig's own default, 0, is
+# the engine's "shard nothing" starting point, not a sensible run).
+RUN_DEFAULT_STAGE = 2
+
+
+class _ZeroSectionBase:
+    """The run's `zero` section: `ZeroConfig`'s fields (see tnlg.sharding.config), each unset (None) unless
+    the YAML or an override gives it, plus `deepspeed: PATH` for a DeepSpeed-style JSON.
+
+    Unset fields take ZeroConfig's defaults, except `stage` (RUN_DEFAULT_STAGE). With `deepspeed`, the
+    JSON gives the settings and a field set here as well must agree with it: a disagreement is an error
+    naming both, never a silent winner. `mixed_precision` is not a field: it is `train.mixed_precision`.
+    """
+
+    deepspeed: str | None
+    moved_keys = {"mixed_precision": "train.mixed_precision"}
+
+    def __post_init__(self) -> None:
+        self.to_zero_config("no")  # every value checked when the config is read, not mid-run
+
+    def explicit(self) -> dict[str, Any]:
+        """The ZeroConfig fields this section sets."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if f.name != "deepspeed" and getattr(self, f.name) is not None
+        }
+
+    def to_zero_config(self, mixed_precision: str) -> ZeroConfig:
+        """The engine's config for a run at `mixed_precision` (train.mixed_precision)."""
+        explicit = self.explicit()
+        if self.deepspeed is None:
+            try:
+                return ZeroConfig(
+                    **{"stage": RUN_DEFAULT_STAGE, **explicit, "mixed_precision": mixed_precision}
+                )
+            except ValueError as error:
+                raise ValueError(f"zero: {error}") from error
+        zero = ZeroConfig.from_deepspeed(
+            self.deepspeed, overrides=explicit, override_names={k: f"zero.{k}" for k in explicit},
+            mixed_precision=mixed_precision,
+        )  # fmt: skip
+        if mixed_precision not in ("no", zero.mixed_precision):
+            raise ValueError(
+                f"train.mixed_precision {mixed_precision} conflicts with {self.deepspeed}, which enables "
+                f"{zero.mixed_precision}: set one of them to agree with the other"
+            )
+        return zero
+
+
+ZeroSection = dataclasses.make_dataclass(
+    "ZeroSection",
+    [("deepspeed", str | None, field(default=None))]
+    + [
+        (f.name, hint | None, field(default=None))
+        for f in dataclasses.fields(ZeroConfig)
+        if f.name != "mixed_precision"
+        for hint in [typing.get_type_hints(ZeroConfig)[f.name]]
+    ],
+    bases=(_ZeroSectionBase,),
+    kw_only=True,
+)
+ZeroSection.__module__ = __name__  # make_dataclass's `module` argument needs Python 3.12
+
 
 @dataclass(kw_only=True)
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
-    zero: dict[str, Any] = field(
-        default_factory=lambda: {"stage": 2}
-    )  # ZeroConfig fields, or deepspeed: PATH
+    zero: ZeroSection = field(default_factory=ZeroSection)  # type: ignore[valid-type]
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     train: TrainSection = field(default_factory=TrainSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def require(name: str, value: Any, ok: bool, expected: str) -> None:
+    """Raise a ValueError naming the setting unless `ok`."""
+    if not ok:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def choose(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    require(name, value, value in allowed, f"one of {list(allowed)}")
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
@@ -143,13 +255,37 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | No
     """A `cls` config (a dataclass of sections) from a YAML file (or the defaults) with overrides."""
     raw: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        loaded = read_yaml(Path(path))
         if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"{path}: a run config must be a mapping of sections")
+            raise ValueError(
+                f"{path}: a run config must be a mapping of sections, got {type(loaded).__name__}"
+            )
         raw = loaded or {}
     for dotted, value in _pairs(overrides or []):
-        _set_dotted(raw, dotted, yaml.safe_load(value))
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            raise ValueError(
+                f"override --{dotted} {value!r} is not a YAML value: {_first_line(error)}"
+            ) from None
+        _set_dotted(raw, dotted, parsed)
     return build(cls, raw, "")
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's contents; a missing, unreadable, binary or malformed file is one ValueError naming it."""
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    try:
+        return yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not a YAML file: not UTF-8 text (byte {error.start})") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path} is not valid YAML: {_first_line(error)}") from None
+
+
+def _first_line(error: Exception) -> str:
+    return " ".join(str(error).split())
 
 
 def _pairs(arguments: list[str]) -> list[tuple[str, str]]:
@@ -188,8 +324,11 @@ def build(cls: type, raw: Any, path: str) -> Any:
     unknown = sorted(set(raw) - known)
     if unknown:
         where = f"{path}." if path else ""
+        moved = getattr(cls, "moved_keys", {}).get(unknown[0])
+        close = difflib.get_close_matches(str(unknown[0]), sorted(known), n=1)
+        hint = f" (it is {moved})" if moved else f" (did you mean {where}{close[0]}?)" if close else ""
         raise ValueError(
-            f"unknown config key {where}{unknown[0]}; {path or 'the config'} has: {sorted(known)}"
+            f"unknown config key {where}{unknown[0]}{hint}; {path or 'the config'} has: {sorted(known)}"
         )
     values = {
         name: _convert(hints[name], value, f"{path}.{name}" if path else name) for name, value in raw.items()

@@ -11,14 +11,13 @@ the validation rows, and written to `<output_dir>/evaluation.json`.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 from tnlg.data.finetune import FinetuneBatches, encode_rows, load_rows
 from tnlg.finetune_config import FinetuneConfig
 from tnlg.lora import lora_model, save_lora_model
 from tnlg.task_evaluation import target_loss, task_scores
-from tnlg.train import TrainingJob, run_training
+from tnlg.train import TrainingJob, check_init_from, run_training
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +35,7 @@ def validation_rows(config: FinetuneConfig):
 def finetune(config: FinetuneConfig, resume: str | None = None) -> dict[str, Any]:
     """Fine-tune per `config`; returns the losses, the saved model's directory and the evaluation."""
     data, task = config.data, config.task.format()
-    init_from = config.model.init_from
-    if init_from and not (Path(init_from) / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model.init_from {init_from} holds no TNLG checkpoint (config.json): run the pretraining first "
-            "(accelerate launch scripts/pretrain.py writes runs/pretrain-debug/model) or point "
-            "--model.init_from at a checkpoint directory"
-        )
+    check_init_from(config.model.init_from)  # before any data is read
     settings = config.evaluation.generation
     held_out = validation_rows(config)
     if held_out is None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tnlg.config import LoggingSection, ModelSection, OptimizerSection, TrainSection, load_config
+from tnlg.config import LoggingSection, ModelSection, OptimizerSection, TrainSection, ZeroSection, load_config
 from tnlg.data.tasks import TaskFormat
 from tnlg.generation import GenerationSettings
 
@@ -111,7 +111,7 @@ class FinetuneConfig:
     task: TaskSection = field(default_factory=TaskSection)
     data: FinetuneDataSection = field(default_factory=FinetuneDataSection)
     lora: LoraSection = field(default_factory=LoraSection)
-    zero: dict[str, Any] = field(default_factory=lambda: {"stage": 2})
+    zero: ZeroSection = field(default_factory=ZeroSection)  # type: ignore[valid-type]
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     train: TrainSection = field(default_factory=lambda: TrainSection(output_dir="runs/finetune"))
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -49,10 +49,17 @@ class LossCurve:
         self.eval_steps.append(step)
         self.perplexities.append(perplexity)
 
+    def state_dict(self) -> dict[str, list]:
+        return {name: list(values) for name, values in self.__dict__.items()}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, list]) -> LossCurve:
+        return cls(**{f.name: list(state.get(f.name, [])) for f in fields(cls)})
+
     def save(self, directory: Path) -> None:
         """`loss_curve.json` always, and `loss_curve.png` (training loss and validation perplexity)."""
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "loss_curve.json").write_text(json.dumps(self.__dict__))
+        (directory / "loss_curve.json").write_text(json.dumps(self.state_dict()))
         import matplotlib
 
         matplotlib.use("Agg")  # no display needed

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from tnlg.data.tokenizer import load_tokenizer, train_byte_level_bpe
 from tnlg.launch_checks import check_ranks_run_the_same_job
 from tnlg.metrics import LossCurve, peak_flops_per_device
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
-from tnlg.sharding import ZeroConfig, set_pretrained_source
+from tnlg.sharding import set_pretrained_source
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +222,63 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
     return run_training(config, job, resume)
 
 
+# What a run writes into train.output_dir (trackers write logs/): a directory holding any of these
+# holds a run that a new one would overwrite.
+RUN_FILES = (
+    "checkpoints",
+    "model",
+    "logs",
+    "loss_curve.json",
+    "loss_curve.png",
+    "run_config.json",
+    "evaluation.json",
+)
+
+
+def check_output_directory(output: Path, resume: str | None, overwrite: bool) -> list[str]:
+    """The previous run's files in `output` that this run replaces (train.overwrite), or [] when there is
+    none or the run resumes it; a new run into a used directory without train.overwrite is refused."""
+    if resume is not None:
+        return []
+    found = sorted(name for name in RUN_FILES if (output / name).exists())
+    if found and not overwrite:
+        raise FileExistsError(
+            f"train.output_dir {output} already holds a run ({', '.join(found)}): continue it with "
+            f"--resume latest, pass --train.overwrite true to replace it, or choose another "
+            f"--train.output_dir"
+        )
+    return found
+
+
+def remove_run_files(output: Path, names: list[str]) -> None:
+    logger.warning("train.overwrite: removing the previous run's %s from %s", ", ".join(names), output)
+    for name in names:
+        path = output / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def check_init_from(init_from: str | None) -> None:
+    """`model.init_from` must be a local Transformers checkpoint directory: a run downloads nothing, and
+    a missing path must not turn into minutes of hub retries or a misleading vocabulary error."""
+    if init_from is None:
+        return
+    path = Path(init_from)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model.init_from {init_from} does not exist: it must be a local checkpoint directory (the "
+            "main job, accelerate launch scripts/pretrain.py, writes runs/pretrain-debug/model)"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.init_from {init_from} holds no config.json, so it is no TNLG checkpoint: point it at a "
+            "directory written by save_pretrained (a run's model/), or convert one with "
+            "scripts/convert_checkpoint.py"
+        )
+
+
 def meta_model(architecture: TNLGConfig, config: Any) -> nn.Module:
     """The model on the meta device: the engine builds each rank's shards, from `model.init_from`'s
     slices when set, else from the seeded initialization."""
@@ -235,8 +293,10 @@ def run_training(config: Any, job: TrainingJob, resume: str | None = None) -> di
     """The shared loop: `config` has the model / zero / optimizer / train / logging sections of a
     `RunConfig` (and `data.tokenizer`); `job` says what is trained on and how it is evaluated."""
     train = config.train
-    zero = ZeroConfig.coerce(config.zero.get("deepspeed") if "deepspeed" in config.zero else config.zero)
+    check_init_from(config.model.init_from)
+    zero = config.zero.to_zero_config(train.mixed_precision)
     output = Path(train.output_dir)
+    previous_run = check_output_directory(output, resume, train.overwrite)
     accelerator = ZeroAccelerator(
         zero_config=zero,
         mixed_precision=train.mixed_precision,
@@ -245,6 +305,11 @@ def run_training(config: Any, job: TrainingJob, resume: str | None = None) -> di
         project_config=ProjectConfiguration(project_dir=str(output), logging_dir=str(output / "logs")),
     )
     check_ranks_run_the_same_job(config.to_dict())
+    if (
+        previous_run and accelerator.is_main_process
+    ):  # train.overwrite: the old run goes before anything is written
+        remove_run_files(output, previous_run)
+    accelerator.wait_for_everyone()
     accelerator.init_trackers(config.logging.project, config=flat_hyperparameters(config.to_dict()))
     tokenizer = run_tokenizer(config)
     architecture = model_config(config, tokenizer, job.seq_len)
@@ -275,18 +340,17 @@ def run_training(config: Any, job: TrainingJob, resume: str | None = None) -> di
     rank, world = accelerator.process_index, accelerator.num_processes
     stream = job.batches(tokenizer, rank, world)
     checkpointer = RunCheckpointer(output / "checkpoints", keep_last=train.keep_last, accelerator=accelerator)
-    start_step = 0
+    start_step, curve = 0, LossCurve()
     if resume is not None:
         restored = checkpointer.load(resume, engine, scheduler, fallback=train.resume_fallback)
-        if restored is not None:
-            start_step = restored["step"]
-            stream.load_state_dict(restored["data"])
-            logger.info("resumed from %s at step %d", restored["path"], start_step)
+        start_step = restored["step"]
+        stream.load_state_dict(restored["data"])
+        curve = restored["curve"]
+        logger.info("resumed from %s at step %d", restored["path"], start_step)
     evaluation: dict[str, Any] = {}
     if job.final_evaluation is not None and job.evaluate_before and start_step == 0:
         evaluation["before"] = job.final_evaluation(model, tokenizer, accelerator)
     batches = iter(stream)
-    curve = LossCurve()
     flops_per_token = architecture.flops_per_token(job.seq_len)
     peak = train.peak_flops or peak_flops_per_device(accelerator.device, train.mixed_precision)
     progress = tqdm(
@@ -349,7 +413,7 @@ def run_training(config: Any, job: TrainingJob, resume: str | None = None) -> di
                     shown = ", ".join(f"{k} {v:.4g}" for k, v in results.items())
                     progress.write(f"step {step + 1}: {shown}")
         if train.save_every and (step + 1) % train.save_every == 0:
-            checkpointer.save(step + 1, engine, scheduler, stream.state_dict(), config.to_dict())
+            checkpointer.save(step + 1, engine, scheduler, stream.state_dict(), config.to_dict(), curve)
     progress.close()
     if job.final_evaluation is not None and job.evaluate_after:
         evaluation["after"] = job.final_evaluation(model, tokenizer, accelerator)
