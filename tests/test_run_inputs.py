@@ -196,7 +196,8 @@ def test_init_from_that_is_no_checkpoint_is_named_without_reaching_the_hub(cache
 
 
 def test_the_script_prints_an_input_error_once_as_one_line(cache, tmp_path):
-    """Under a 2-process launch both ranks refuse the used directory; the user sees one line, exit 2."""
+    """Under a 2-process launch both ranks refuse the used directory; the user sees one line from rank 0
+    (the other rank, stopped by the launcher within its grace period, prints nothing), exit 2."""
     (tmp_path / "model").mkdir()
     environment = {**os.environ, "TNLG_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
     environment.pop("TNLG_TRACEBACK", None)
@@ -211,4 +212,5 @@ def test_the_script_prints_an_input_error_once_as_one_line(cache, tmp_path):
     assert errors == [f"error: train.output_dir {tmp_path} already holds a run (model): continue it with "
                       "--resume latest, pass --train.overwrite true to replace it, or choose another "
                       "--train.output_dir"]  # fmt: skip
-    assert "Traceback" not in result.stderr
+    # The launcher reports the failed process with its own traceback; none comes from tnlg's code.
+    assert "FileExistsError" not in result.stderr and "tnlg/train.py" not in result.stderr

@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -19,14 +20,18 @@ T = TypeVar("T")
 # alone is what a user needs; anything else is a bug and keeps its traceback.
 INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)
 TRACEBACK_VARIABLE = "TNLG_TRACEBACK"  # =1 shows the traceback of input errors too
+# Launchers poll their processes every 0.1 s (torchrun's and Accelerate's default monitor interval).
+OTHER_RANKS_GRACE_SECONDS = 10.0
 
 
 def exit_on_input_error(main: Callable[..., T]) -> Callable[..., T]:
     """Run a script's `main`; an input error ends it with one line `error: <message>` and exit status 2.
 
     Under a launcher every rank reads the same configs and files (checkpoint reads agree across ranks,
-    see read_on_every_rank), so every rank fails with the same message: only rank 0 prints it, rather
-    than one traceback per rank. `TNLG_TRACEBACK=1` re-raises instead.
+    see read_on_every_rank), so every rank fails with the same message at about the same time: rank 0
+    prints it at once, and the launcher stops the other ranks as soon as rank 0 exits. Another rank
+    prints its message only if it is still running after a grace period, i.e. when rank 0 did not stop
+    with it: a failure of that rank alone is still reported. `TNLG_TRACEBACK=1` re-raises instead.
     """
 
     @functools.wraps(main)
@@ -36,9 +41,15 @@ def exit_on_input_error(main: Callable[..., T]) -> Callable[..., T]:
         except INPUT_ERRORS as error:
             if os.environ.get(TRACEBACK_VARIABLE) == "1":
                 raise
-            if os.environ.get("RANK", "0") == "0":
-                message = " ".join(str(error).split()) or type(error).__name__
-                print(f"error: {message}", file=sys.stderr, flush=True)
+            rank = os.environ.get("RANK", "0")
+            if rank != "0":
+                time.sleep(OTHER_RANKS_GRACE_SECONDS)
+            message = " ".join(str(error).split()) or type(error).__name__
+            print(
+                f"error: {message}" if rank == "0" else f"error (rank {rank}): {message}",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.exit(2)
 
     return guarded
