@@ -23,6 +23,16 @@ GPT2_VOCAB_SIZE = 50257
 PADDED_GPT2_VOCAB_SIZE = 50304
 
 
+class _DefaultTokenId(int):
+    """A token id that is a field's default, not the user's choice: `TNLGConfig` drops it (None) when
+    the vocabulary cannot hold it, while the same id given explicitly is refused. Transformers
+    requires a config built from defaults plus any valid field to construct."""
+
+
+# GPT-2's <|endoftext|>, TNLG's default beginning and end of text.
+GPT2_END_OF_TEXT = _DefaultTokenId(GPT2_VOCAB_SIZE - 1)
+
+
 @dataclass(frozen=True)
 class Preset:
     """The shape of a published model; everything else takes `TNLGConfig`'s defaults."""
@@ -75,6 +85,9 @@ class TNLGConfig(PreTrainedConfig):
             `initializer_range / sqrt(2 * num_hidden_layers)` (GPT-2 / Megatron scaled init).
         embedding_dropout, attention_dropout, hidden_dropout: dropout probabilities.
         use_cache: return a KV cache from forward by default.
+        bos_token_id, eos_token_id: default to GPT-2's end-of-text id 50256, or None when `vocab_size`
+            cannot hold it; an id outside the vocabulary given explicitly is an error.
+        pad_token_id: none by default.
         tie_word_embeddings: the output layer shares the token embedding matrix.
         fused_kernels: the Triton LayerNorm, bias + GeLU (`gelu_new` only) and chunked LM-head
             cross-entropy of `fused_ops.py`: `auto` uses them on CUDA tensors when Triton is installed
@@ -98,8 +111,8 @@ class TNLGConfig(PreTrainedConfig):
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     use_cache: bool = True
-    bos_token_id: int | None = GPT2_VOCAB_SIZE - 1
-    eos_token_id: int | list[int] | None = GPT2_VOCAB_SIZE - 1
+    bos_token_id: int | None = GPT2_END_OF_TEXT  # None when vocab_size cannot hold it
+    eos_token_id: int | list[int] | None = GPT2_END_OF_TEXT
     pad_token_id: int | None = None
     tie_word_embeddings: bool = True
     fused_kernels: str = "auto"
@@ -107,6 +120,11 @@ class TNLGConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs: Any) -> None:
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.hidden_size
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if isinstance(value, _DefaultTokenId):  # a plain int from here on: it is saved and compared
+                fits = isinstance(self.vocab_size, int) and 0 <= value < self.vocab_size
+                setattr(self, name, int(value) if fits else None)
         super().__post_init__(**kwargs)
         self.check_architecture()
 

@@ -1,19 +1,43 @@
-"""Strict checkpoint loading: a checkpoint that does not fit the model is an error, not a warning.
+"""Checkpoint files: strict loading, checksum records, and errors that name the file.
 
 Transformers' `from_pretrained` initialises missing tensors randomly and drops unexpected ones with
 a warning; for a training run that silently corrupts a resumed or converted model. TNLG raises
 `CheckpointMismatchError` listing every offending tensor instead (`strict=False` restores the
 Transformers behaviour).
+
+[Note: checksums]
+safetensors files carry no checksum: a flipped bit inside a tensor loads without complaint. Every
+writer of TNLG model files (`save_pretrained`, the engine's consolidation) records the sha256 and
+size of each weight file in `tnlg_checksums.json` next to them, and every reader (`from_pretrained`,
+the engine's sharded loader, `tnlg.convert.load_tensors`) checks the files it reads against that
+record when the directory has one. A file of its own keeps the weights and the index exactly as
+plain Transformers writes and reads them; a directory without it (a plain Transformers save) loads
+unverified. A weight file the record does not list is refused: the files were not all written by
+one save.
+
+A file that cannot be read (a truncated shard, an index that is not JSON, a pickle renamed to
+.safetensors) is a `CheckpointFileError` naming the file and the problem, never a library's
+traceback that names no file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
+
+CHECKSUMS_FILE = "tnlg_checksums.json"
+SAFE_WEIGHTS_NAME = "model.safetensors"  # Transformers' names for a model's weights
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_CHANGED_ON_PURPOSE = " (changed on purpose? save the model again, or load with verify_checksums=False)"
 
 
 class CheckpointMismatchError(ValueError):
@@ -38,6 +62,196 @@ class CheckpointMismatchError(ValueError):
         super().__init__("\n".join(lines))
 
 
+class CheckpointFileError(ValueError):
+    """A checkpoint file that cannot be used as it is: missing, truncated, corrupt, or not in the
+    format its name says. The message is the file's path followed by the problem."""
+
+    def __init__(self, path: str | Path, problem: str):
+        self.path, self.problem = Path(path), problem
+        super().__init__(f"{path} {problem}")
+
+    def __reduce__(self):  # picklable (multiprocessing) although __init__ takes two arguments
+        return type(self), (self.path, self.problem)
+
+
+# ---------------------------------------------------------------------------------------------- reading files
+def variant_name(name: str, variant: str | None) -> str:
+    """Transformers' name for a variant's file: `model.safetensors` -> `model.fp16.safetensors`."""
+    if not variant:
+        return name
+    stem, _, suffix = name.rpartition(".")
+    return f"{stem}.{variant}.{suffix}"
+
+
+def read_json(path: Path, what: str) -> Any:
+    """The JSON in `path`; a missing file or one that is not JSON is a `CheckpointFileError`."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointFileError(path, "is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointFileError(
+            path, f"is not valid JSON ({error}): {what} is truncated or damaged"
+        ) from None
+
+
+def read_index(path: Path) -> dict[str, str]:
+    """The weight map (tensor name -> file name) of a safetensors index."""
+    index = read_json(path, "the safetensors index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointFileError(
+            path, 'is not a safetensors index: it needs a "weight_map" from tensor names to file names'
+        )
+    return weight_map
+
+
+def weight_files(directory: Path, variant: str | None = None) -> list[str]:
+    """The safetensors files `from_pretrained` reads in `directory`, in Transformers' order of
+    preference: the single file, else the shards its index names; none for other formats."""
+    if (directory / variant_name(SAFE_WEIGHTS_NAME, variant)).is_file():
+        return [variant_name(SAFE_WEIGHTS_NAME, variant)]
+    index = directory / variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
+    return sorted(set(read_index(index).values())) if index.is_file() else []
+
+
+def open_safetensors(path: Path):
+    """`safe_open(path)`; a file that is missing or is not safetensors is a `CheckpointFileError`
+    saying what it looks like instead."""
+    if not path.is_file():
+        raise CheckpointFileError(path, "is missing from the checkpoint")
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as error:  # safetensors raises its own SafetensorError, and OSError
+        raise CheckpointFileError(path, f"cannot be read as safetensors: {_diagnose(path, error)}") from error
+
+
+def _diagnose(path: Path, error: Exception) -> str:
+    with open(path, "rb") as stream:
+        start = stream.read(8)
+    if start.startswith(b"PK\x03\x04"):
+        return (
+            "it is a zip archive, the format of torch.save: a pickled checkpoint renamed .safetensors? "
+            "Load it with torch.load(weights_only=True) and save it with safetensors"
+        )
+    if start[:1] == b"\x80":
+        return "it is a pickle (legacy torch.save): a pickled checkpoint renamed .safetensors?"
+    size = path.stat().st_size
+    return f"{error} ({size} bytes: truncated or damaged?)"
+
+
+def check_weight_files(directory: Path, files: Iterable[str], *, verify: bool = True) -> None:
+    """Every file opens as safetensors and, when `verify`, matches the directory's checksum record."""
+    files = list(files)
+    for name in files:
+        with open_safetensors(directory / name):
+            pass
+    if verify:
+        verify_checksums(directory, files)
+
+
+# ---------------------------------------------------------------------------------------------- checksums
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_checksums(directory: Path) -> dict[str, dict[str, Any]] | None:
+    """The checksum record of `directory` (file name -> sha256 and bytes), None when it has none."""
+    path = directory / CHECKSUMS_FILE
+    if not path.is_file():
+        return None
+    record = read_json(path, "the checksum record")
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, dict) or not all(
+        isinstance(entry, dict)
+        and isinstance(entry.get("sha256"), str)
+        and _SHA256.fullmatch(entry["sha256"])
+        and isinstance(entry.get("bytes"), int)
+        for entry in files.values()
+    ):
+        raise CheckpointFileError(
+            path,
+            'is not a checksum record: it needs "files" mapping file names to their "sha256" and "bytes"',
+        )
+    return files
+
+
+def write_checksums(directory: Path, files: Iterable[str]) -> Path:
+    """Record the sha256 and size of `files` (names in `directory`) in its checksum record. Records
+    of other files that still exist (another variant's weights) are kept; a damaged record is replaced."""
+    try:
+        previous = read_checksums(directory) or {}
+    except CheckpointFileError:
+        previous = {}
+    records = {name: entry for name, entry in previous.items() if (directory / name).is_file()}
+    for name in files:
+        records[name] = {"sha256": sha256_of(directory / name), "bytes": (directory / name).stat().st_size}
+    path = directory / CHECKSUMS_FILE
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text(json.dumps({"algorithm": "sha256", "files": dict(sorted(records.items()))}, indent=2))
+    os.replace(staging, path)  # a reader never sees half a record
+    return path
+
+
+def verify_checksums(directory: Path, files: Iterable[str], hashed: Iterable[str] | None = None) -> bool:
+    """Check `files` against `directory`'s checksum record: each must be recorded, with its size;
+    those in `hashed` (default: all) are hashed too. False when the directory has no record."""
+    records = read_checksums(directory)
+    if records is None:
+        return False
+    files = list(files)
+    hashed = set(files if hashed is None else hashed)
+    for name in files:
+        path, entry = directory / name, records.get(name)
+        if entry is None:
+            raise CheckpointFileError(
+                path,
+                f"has no entry in {directory / CHECKSUMS_FILE}: it was not written by the save that wrote the "
+                f"record (delete {CHECKSUMS_FILE} to load these files unverified)",
+            )
+        if not path.is_file():
+            raise CheckpointFileError(path, "is missing from the checkpoint")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointFileError(
+                path,
+                f"is {size} bytes, {CHECKSUMS_FILE} records {entry['bytes']}: truncated or "
+                f"replaced{_CHANGED_ON_PURPOSE}",
+            )
+        if name in hashed and sha256_of(path) != entry["sha256"]:
+            raise CheckpointFileError(
+                path,
+                f"does not match the sha256 recorded in {CHECKSUMS_FILE} when it was saved: the file is "
+                f"corrupt{_CHANGED_ON_PURPOSE}",
+            )
+    return True
+
+
+def remove_weight_files(directory: Path, variant: str | None = None) -> None:
+    """Delete a variant's weights (the single file, the index, the shards) before a save replaces them.
+
+    Transformers keeps a single `model.safetensors` when it then writes shards, and `from_pretrained`
+    prefers that file: the directory would silently load the previous weights. Unlinking first also
+    keeps tensors memory-mapped from the old files valid while the new ones are written."""
+    if not directory.is_dir():
+        return
+    single = variant_name(SAFE_WEIGHTS_NAME, variant)
+    shard = re.compile(re.escape(single.removesuffix(".safetensors")) + r"-\d{5}-of-\d{5}\.safetensors")
+    for path in directory.iterdir():
+        if path.is_file() and (
+            path.name in (single, variant_name(SAFE_WEIGHTS_INDEX_NAME, variant))
+            or shard.fullmatch(path.name)
+        ):
+            path.unlink()
+
+
+# ---------------------------------------------------------------------------------------------- strictness
 def raise_on_mismatch(loading_info: dict, source: str) -> None:
     """Raise `CheckpointMismatchError` if Transformers' loading info reports any mismatch."""
     missing = loading_info.get("missing_keys") or ()
@@ -52,33 +266,42 @@ def raise_on_mismatch(loading_info: dict, source: str) -> None:
         raise CheckpointMismatchError(missing, unexpected, mis_shaped, source)
 
 
-def check_tied_output_layer(model: torch.nn.Module, checkpoint: str | Path) -> None:
-    """Refuse a local checkpoint whose saved output layer differs from the embedding it is tied to.
+def saved_output_layer(directory: Path, variant: str | None = None) -> torch.Tensor | None:
+    """The `lm_head.weight` saved in a local checkpoint, or None when it was not saved."""
+    single = directory / variant_name(SAFE_WEIGHTS_NAME, variant)
+    index = directory / variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
+    if single.is_file():
+        file = single
+    elif index.is_file() and "lm_head.weight" in (weight_map := read_index(index)):
+        file = directory / weight_map["lm_head.weight"]
+    else:
+        return None
+    with open_safetensors(file) as reader:
+        if "lm_head.weight" not in reader.keys():  # noqa: SIM118 (safe_open has no __contains__)
+            return None
+        return reader.get_tensor("lm_head.weight")
+
+
+def tied_output_layer_error(
+    model: torch.nn.Module, saved: torch.Tensor | None, source: str
+) -> CheckpointMismatchError | None:
+    """The error for a saved output layer that differs from the embedding the config ties it to.
 
     Transformers ties the weights after loading and silently drops the saved `lm_head.weight`;
     if that tensor differs, the checkpoint came from an untied model and loading it tied
-    computes a different function. Only `lm_head.weight` is read, and only when it was saved.
-    """
-    if not getattr(model.config, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
-        return
-    directory = Path(checkpoint)
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        shard = json.loads(index.read_text())["weight_map"].get("lm_head.weight")
-        files = [directory / shard] if shard else []
-    else:
-        files = [directory / "model.safetensors"] if (directory / "model.safetensors").is_file() else []
-    for file in files:
-        with safe_open(file, framework="pt") as reader:
-            if "lm_head.weight" not in reader.keys():  # noqa: SIM118 (safe_open has no __contains__)
-                continue
-            saved = reader.get_tensor("lm_head.weight")
-        embedding = model.get_input_embeddings().weight
-        if saved.shape != embedding.shape or not torch.equal(
-            saved.to(embedding.dtype), embedding.detach().cpu()
-        ):
-            raise CheckpointMismatchError(
-                mis_shaped=[],
-                source=f"{checkpoint} (its lm_head.weight differs from the token embedding, but the config ties "
-                "them; load it with tie_word_embeddings=False)",
-            )
+    computes a different function."""
+    if (
+        saved is None
+        or not getattr(model.config, "tie_word_embeddings", False)
+        or not hasattr(model, "lm_head")
+    ):
+        return None
+    embedding = model.get_input_embeddings().weight
+    if saved.shape == embedding.shape and torch.equal(
+        saved.to(embedding.dtype).cpu(), embedding.detach().cpu()
+    ):
+        return None
+    return CheckpointMismatchError(
+        source=f"{source} (its lm_head.weight differs from the token embedding, but the config ties "
+        "them; load it with tie_word_embeddings=False)",
+    )

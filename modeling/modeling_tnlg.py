@@ -8,7 +8,10 @@ nh = heads, hd = head dim. The model knows nothing about sharding: the ZeRO engi
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +30,15 @@ from transformers.utils.output_capturing import capture_outputs
 
 from . import fused_ops
 from .configuration_tnlg import TNLGConfig
-from .loading import check_tied_output_layer, raise_on_mismatch
+from .loading import (
+    check_weight_files,
+    raise_on_mismatch,
+    remove_weight_files,
+    saved_output_layer,
+    tied_output_layer_error,
+    weight_files,
+    write_checksums,
+)
 
 
 def eager_attention_forward(
@@ -191,13 +202,32 @@ class TNLGPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {"hidden_states": TNLGBlock, "attentions": TNLGAttention}
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, strict: bool = True, **kwargs):
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike | None,
+        *args: Any,
+        strict: bool = True,
+        verify_checksums: bool = True,
+        **kwargs: Any,
+    ):
         """Transformers' `from_pretrained`, failing on missing, unexpected or mis-shaped tensors.
 
-        With `strict=False` it behaves as in Transformers (random init for missing tensors).
-        See `tnlg.modeling.loading` for why.
+        With `strict=False` it behaves as in Transformers (random init for missing tensors). With
+        `output_loading_info=True` it returns `(model, loading_info)` and reports the mismatches
+        there instead of raising, as Transformers does (a saved output layer that differs from the
+        tied embedding is one of its `error_msgs`). See `tnlg.modeling.loading` for why.
+
+        A local directory's weight files are checked before Transformers reads them: each must
+        open as safetensors, and match the sha256 recorded at save when the directory has a
+        `tnlg_checksums.json` (`verify_checksums=False` skips the hashing). A file that fails is a
+        `CheckpointFileError` naming it.
         """
         want_info = kwargs.pop("output_loading_info", False)
+        state_dict = kwargs.get("state_dict")
+        variant = kwargs.get("variant")
+        directory = _local_directory(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
+        if directory is not None and state_dict is None:  # given a state_dict, no weight file is read
+            check_weight_files(directory, weight_files(directory, variant), verify=verify_checksums)
         if strict:
             # Let Transformers finish loading so that its report of mis-shaped tensors reaches us;
             # its own error for them names none of the tensors.
@@ -205,13 +235,39 @@ class TNLGPreTrainedModel(PreTrainedModel):
         model, info = super().from_pretrained(
             pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
         )
-        if strict:
-            if cls.base_model_prefix and not hasattr(model, cls.base_model_prefix):
-                # The base model loading a causal-LM checkpoint: the head is not part of it.
-                info["unexpected_keys"] = {k for k in info["unexpected_keys"] if not k.startswith("lm_head.")}
-            raise_on_mismatch(info, source=str(pretrained_model_name_or_path))
-            check_tied_output_layer(model, pretrained_model_name_or_path)
-        return (model, info) if want_info else model
+        if not strict:
+            return (model, info) if want_info else model
+        if cls.base_model_prefix and not hasattr(model, cls.base_model_prefix):
+            # The base model loading a causal-LM checkpoint: the head is not part of it.
+            info["unexpected_keys"] = {k for k in info["unexpected_keys"] if not k.startswith("lm_head.")}
+        source = str(pretrained_model_name_or_path) if state_dict is None else "the state_dict given"
+        if state_dict is not None:
+            saved_head = state_dict.get("lm_head.weight")
+        else:
+            saved_head = saved_output_layer(directory, variant) if directory is not None else None
+        tied_error = tied_output_layer_error(model, saved_head, source)
+        if want_info:
+            if tied_error is not None:
+                info.setdefault("error_msgs", []).append(str(tied_error))
+            return model, info
+        raise_on_mismatch(info, source)
+        if tied_error is not None:
+            raise tied_error
+        return model
+
+    def save_pretrained(
+        self, save_directory: str | os.PathLike, is_main_process: bool = True, *args: Any, **kwargs: Any
+    ) -> None:
+        """Transformers' `save_pretrained`, replacing the directory's previous weights of this variant
+        whole (Transformers keeps an old single file that `from_pretrained` then prefers) and
+        recording each weight file's sha256 in `tnlg_checksums.json` ([Note: checksums] in loading.py).
+        """
+        directory, variant = Path(save_directory), kwargs.get("variant")
+        if is_main_process:
+            remove_weight_files(directory, variant)
+        super().save_pretrained(save_directory, is_main_process, *args, **kwargs)
+        if is_main_process and directory.is_dir():
+            write_checksums(directory, weight_files(directory, variant))
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -231,6 +287,14 @@ class TNLGPreTrainedModel(PreTrainedModel):
         elif isinstance(module, nn.LayerNorm):
             init.ones_(module.weight)
             init.zeros_(module.bias)
+
+
+def _local_directory(path: str | os.PathLike | None, subfolder: str) -> Path | None:
+    """The local directory `from_pretrained` reads, or None for a Hub id or no path."""
+    if path is None:
+        return None
+    directory = Path(path) / subfolder
+    return directory if directory.is_dir() else None
 
 
 class TNLGModel(TNLGPreTrainedModel):

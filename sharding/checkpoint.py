@@ -19,7 +19,6 @@ and bucket sizes may differ too; missing, unexpected or re-shaped parameters are
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -30,8 +29,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
+
+# One reader of safetensors files for every checkpoint kind (errors that name the file, one hashing
+# routine); the package `tnlg.modeling` is always imported before this one, by `tnlg` itself.
+from tnlg.modeling.loading import CheckpointFileError, open_safetensors, sha256_of
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine
@@ -55,14 +57,6 @@ def tnlg_version() -> str:
         return metadata.version("tnlg")
     except metadata.PackageNotFoundError:
         return "unknown"
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        for block in iter(lambda: stream.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- saving
@@ -152,15 +146,64 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{directory} is not a complete engine checkpoint: {MANIFEST} is missing")
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path} is not valid JSON ({error}): the manifest is corrupt") from error
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(manifest).__name__}, not an engine manifest")
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: checkpoint format {version!r}, this tnlg ({tnlg_version()}) reads format {FORMAT_VERSION}"
         )
+    _check_manifest(path, manifest)
     return manifest
+
+
+# The manifest's fields every reader uses, and their JSON types.
+MANIFEST_FIELDS = {
+    "world_size": int,
+    "stage": int,
+    "global_steps": int,
+    "loss_scaler": dict,
+    "param_groups": list,
+    "groups": list,
+    "files": dict,
+}
+
+
+def _check_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Refuse a manifest that parses but lacks what loading and consolidation read (written by hand, cut
+    short and closed, or of another tool) with an error naming it, not a KeyError deep in a load."""
+    wrong = [
+        f"{name} ({'absent' if name not in manifest else type(manifest[name]).__name__}, expected {kind.__name__})"
+        for name, kind in MANIFEST_FIELDS.items()
+        if not isinstance(manifest.get(name), kind) or isinstance(manifest.get(name), bool)
+    ]
+    if not wrong and manifest["world_size"] < 1:
+        wrong.append(f"world_size ({manifest['world_size']}, expected >= 1)")
+    if wrong:
+        raise CheckpointError(f"{path} is incomplete or damaged: " + ", ".join(wrong))
+    files = manifest["files"]
+    bad_files = [
+        name
+        for name, entry in files.items()
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("sha256"), str)
+            and isinstance(entry.get("bytes"), int)
+        )
+    ]
+    if bad_files:
+        raise CheckpointError(
+            f"{path} is damaged: the entries of {bad_files[:5]} need a sha256 and a size in bytes"
+        )
+    try:
+        saved_params(manifest)
+    except (KeyError, TypeError, IndexError, ValueError) as error:
+        raise CheckpointError(
+            f"{path} is damaged: its parameter layout cannot be read ({error!r})"
+        ) from error
 
 
 @dataclass(frozen=True)
@@ -229,9 +272,9 @@ class ShardReader:
             if self.verify:
                 self.check_sha256(rank)
             try:
-                self._open[rank] = safe_open(str(path), framework="pt")
-            except Exception as error:  # safetensors raises its own error types for bad headers
-                raise CheckpointError(f"{path} cannot be read as safetensors: {error}") from error
+                self._open[rank] = open_safetensors(path)
+            except CheckpointFileError as error:  # the engine's ranks agree on CheckpointError
+                raise CheckpointError(str(error)) from error
         return self._open[rank]
 
     def check_sha256(self, rank: int) -> None:

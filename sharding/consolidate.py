@@ -3,8 +3,11 @@
     consolidate(checkpoint_dir, output_dir, max_shard_size="5GB", dtype=torch.bfloat16)
 
 writes Transformers' sharded safetensors layout (`model-00001-of-0000N.safetensors` plus
-`model.safetensors.index.json`, or one `model.safetensors`) and copies the checkpoint's
-`config.json`, so `from_pretrained` loads the result. Tensors are assembled one at a time from the
+`model.safetensors.index.json`, or one `model.safetensors`), records each file's sha256 in
+`tnlg_checksums.json` (as `save_pretrained` does: [Note: checksums] in tnlg/modeling/loading.py) and
+copies the checkpoint's `config.json`, so `from_pretrained` loads the result and verifies it. The
+output directory's previous weights are removed first: a stale `model.safetensors` next to new
+shards would be what `from_pretrained` loads. Tensors are assembled one at a time from the
 rank files' slices (see [Note: reshaping] in checkpoint.py) and written shard by shard: peak memory
 is about one output shard, never the whole model.
 """
@@ -18,6 +21,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from tnlg.modeling.loading import remove_weight_files, write_checksums
 
 from .checkpoint import UNMANAGED_PREFIX, CheckpointError, ShardReader, read_manifest, saved_params
 
@@ -75,6 +80,7 @@ def consolidate(
         shards[-1].append(name)
         size += tensor_bytes
     output.mkdir(parents=True, exist_ok=True)
+    remove_weight_files(output)
     written, weight_map = [], {}
     for index, members in enumerate(shards):
         file = (
@@ -94,6 +100,7 @@ def consolidate(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
         written.append(index_file)
+    written.append(write_checksums(output, [path.name for path in written if path.suffix == ".safetensors"]))
     if (checkpoint / "config.json").is_file():
         shutil.copyfile(checkpoint / "config.json", output / "config.json")
         written.append(output / "config.json")

@@ -22,20 +22,36 @@ instead and ignores unused tensors, as `from_pretrained(strict=False)` does.
 
 Ranks read without communicating, then agree: a missing or damaged file raises the same
 `CheckpointError` on every rank (no rank is left waiting in a collective).
+
+Integrity: when the checkpoint has a `tnlg_checksums.json` (TNLG's writers record one, see
+[Note: checksums] in tnlg/modeling/loading.py), every rank checks the recorded size of every file,
+and each file's sha256 is computed by one rank (files striped over the ranks) before any tensor is
+used; the ranks' agreement makes a mismatch fail all of them. Every rank reads a slice of every
+file at every stage, so "each rank hashes the files it reads" would hash the whole checkpoint on
+every rank; striping hashes it once in all, which is the same check on a shared filesystem.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
+
+from tnlg.modeling.loading import (
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    CheckpointFileError,
+    open_safetensors,
+    read_index,
+    verify_checksums,
+)
 
 from .checkpoint import CheckpointError, read_on_every_rank
 
@@ -44,21 +60,28 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+INDEX_FILE = SAFE_WEIGHTS_INDEX_NAME
+SINGLE_FILE = SAFE_WEIGHTS_NAME
 SOURCE_ATTRIBUTE = "zero_pretrained_source"  # set on a meta model by meta_from_pretrained
 
 
 @dataclass(frozen=True)
 class PretrainedSource:
-    """Where a meta model's weights come from, and whether every tensor must match (`strict`)."""
+    """Where a meta model's weights come from, whether every tensor must match (`strict`), and
+    whether the files are checked against their recorded sha256 (`verify_checksums`)."""
 
     path: str
     strict: bool = True
+    verify_checksums: bool = True
 
 
 def meta_from_pretrained(
-    model_class: type, path: str | Path, *, strict: bool = True, **config_overrides: Any
+    model_class: type,
+    path: str | Path,
+    *,
+    strict: bool = True,
+    verify_checksums: bool = True,
+    **config_overrides: Any,
 ):
     """`model_class` (a Transformers model class) built on the meta device from `path`'s config.json,
     remembering `path`: the ZeRO engine (`initialize`, `ZeroAccelerator.prepare`, `ZeroTrainer`) then
@@ -66,33 +89,39 @@ def meta_from_pretrained(
     config = model_class.config_class.from_pretrained(path, **config_overrides)
     with torch.device("meta"):
         model = model_class(config)
-    return set_pretrained_source(model, path, strict=strict)
+    return set_pretrained_source(model, path, strict=strict, verify_checksums=verify_checksums)
 
 
-def set_pretrained_source(model: nn.Module, path: str | Path, *, strict: bool = True) -> nn.Module:
+def set_pretrained_source(
+    model: nn.Module, path: str | Path, *, strict: bool = True, verify_checksums: bool = True
+) -> nn.Module:
     """Record on a meta-device `model` that its weights come from `path` (see `meta_from_pretrained`)."""
     if not any(p.is_meta for p in model.parameters()):
         raise ValueError(
             "set_pretrained_source takes a model built on the meta device; this one holds weights"
         )
-    setattr(model, SOURCE_ATTRIBUTE, PretrainedSource(str(path), strict))
+    setattr(model, SOURCE_ATTRIBUTE, PretrainedSource(str(path), strict, verify_checksums))
     return model
 
 
 class SafetensorsCheckpoint:
     """The tensors of a Transformers checkpoint (a directory with `model.safetensors` or shards and
     their index, or one `.safetensors` file), by name, read in slices. `bytes_read` counts what
-    was asked for."""
+    was asked for.
 
-    def __init__(self, path: str | Path):
+    Opening checks every file's header and, with `verify` and a checksum record in the directory,
+    every file's size and the sha256 of this reader's `share` (rank, world) of the files: rank,
+    rank + world, ... . A file that fails is a `CheckpointError` naming it."""
+
+    def __init__(self, path: str | Path, *, verify: bool = True, share: tuple[int, int] = (0, 1)):
         self.path = Path(path)
         self.directory = self.path if self.path.is_dir() else self.path.parent
         index = self._index()  # None: one file holds every tensor
-        files = sorted(set(index.values())) if index is not None else [self._single_file()]
+        self.files = sorted(set(index.values())) if index is not None else [self._single_file()]
         self.weight_map: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, str] = {}
-        for file in files:  # one pass over the headers: names, shapes and dtypes together
+        for file in self.files:  # one pass over the headers: names, shapes and dtypes together
             with self._open(file) as reader:
                 for name in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     if index is None or index.get(name) == file:
@@ -102,16 +131,19 @@ class SafetensorsCheckpoint:
         absent = sorted(set(index or ()) - set(self.shapes))
         if absent:
             raise CheckpointError(f"{self.path}: the index lists tensors its files do not hold: {absent[:5]}")
+        self.verified = False  # whether a checksum record was checked
+        if verify:
+            rank, world = share
+            with _named_file_errors():
+                self.verified = verify_checksums(self.directory, self.files, self.files[rank::world])
         self.bytes_read = 0
         self._current: tuple[str, Any] | None = None
 
     def _index(self) -> dict[str, str] | None:
         if self.path.is_file() or not (self.path / INDEX_FILE).is_file():
             return None
-        try:
-            return dict(json.loads((self.path / INDEX_FILE).read_text())["weight_map"])
-        except (json.JSONDecodeError, KeyError) as error:
-            raise CheckpointError(f"{self.path / INDEX_FILE} is not a safetensors index: {error}") from error
+        with _named_file_errors():
+            return read_index(self.path / INDEX_FILE)
 
     def _single_file(self) -> str:
         if self.path.is_file():
@@ -126,13 +158,8 @@ class SafetensorsCheckpoint:
         )
 
     def _open(self, file: str):
-        path = self.directory / file
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing from the checkpoint")
-        try:
-            return safe_open(str(path), framework="pt")
-        except Exception as error:  # safetensors raises its own types for damaged headers
-            raise CheckpointError(f"{path} cannot be read as safetensors: {error}") from error
+        with _named_file_errors():
+            return open_safetensors(self.directory / file)
 
     def _reader(self, name: str):
         file = self.weight_map[name]
@@ -162,6 +189,15 @@ class SafetensorsCheckpoint:
         rows = self._reader(name).get_slice(name)[first:last]
         self.bytes_read += rows.numel() * rows.element_size()
         return rows.reshape(-1)[start - first * row : end - first * row]
+
+
+@contextlib.contextmanager
+def _named_file_errors() -> Iterator[None]:
+    """A file error as the engine's `CheckpointError`, the type its ranks agree on (`read_on_every_rank`)."""
+    try:
+        yield
+    except CheckpointFileError as error:
+        raise CheckpointError(str(error)) from error
 
 
 # ---------------------------------------------------------------------------------------------- matching
@@ -237,7 +273,8 @@ def load_pretrained(engine: ZeroEngine, source: PretrainedSource, device: torch.
     ranks agree that every read succeeded."""
 
     def read() -> tuple[SafetensorsCheckpoint, dict[int, str]]:
-        checkpoint = SafetensorsCheckpoint(source.path)
+        share = (engine.collectives.rank, engine.world_size)
+        checkpoint = SafetensorsCheckpoint(source.path, verify=source.verify_checksums, share=share)
         try:
             return checkpoint, _read_into(engine, checkpoint, source, device)
         finally:

@@ -104,7 +104,7 @@ def test_config_round_trips_through_json(tmp_path, debug_config):
         ({"layer_norm_epsilon": 0.0}, "layer_norm_epsilon"),
         ({"hidden_act": "swish-ish"}, "hidden_act"),
         ({"hidden_act": "prelu"}, "hidden_act"),  # has weights the parameter count would miss
-        ({"vocab_size": 1000}, "bos_token_id"),  # GPT-2's end-of-text id 50256 does not fit
+        ({"vocab_size": 1000, "bos_token_id": 50256}, "bos_token_id"),  # given, and it does not fit
         ({"vocab_size": 1000, "bos_token_id": 0, "eos_token_id": [0, 1000]}, "eos_token_id"),
     ],
 )

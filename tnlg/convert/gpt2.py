@@ -7,6 +7,7 @@ columns in `[q | k | v]` order, which is TNLG's, so QKV needs no reordering.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,6 +18,8 @@ from transformers import GPT2Config, PreTrainedModel
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
 
 from .state_dicts import build_model, load_tensors
+
+logger = logging.getLogger(__name__)
 
 # GPT-2 name (after the `transformer.` prefix) → (TNLG name, transpose?)
 _BLOCK_NAMES = {
@@ -68,11 +71,30 @@ def tnlg_config_from_gpt2(gpt2_config: GPT2Config) -> TNLGConfig:
         embedding_dropout=float(gpt2_config.embd_pdrop),
         attention_dropout=float(gpt2_config.attn_pdrop),
         hidden_dropout=float(gpt2_config.resid_pdrop),
-        bos_token_id=gpt2_config.bos_token_id,
-        eos_token_id=gpt2_config.eos_token_id,
-        pad_token_id=gpt2_config.pad_token_id,
+        **_token_ids_in_vocabulary(gpt2_config),
         tie_word_embeddings=gpt2_config.tie_word_embeddings,
     )
+
+
+def _token_ids_in_vocabulary(gpt2_config: GPT2Config) -> dict[str, int | list[int] | None]:
+    """GPT-2's special token ids, each outside the vocabulary dropped (None) with a warning.
+
+    `GPT2Config` keeps its default end-of-text id 50256 whatever `vocab_size` says (small test and
+    retrained models); such an id names no row of the embedding, so no token the model can produce
+    ends a sequence, and TNLG refuses an out-of-range id."""
+    ids: dict[str, int | list[int] | None] = {}
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(gpt2_config, name, None)
+        given = [i for i in (value if isinstance(value, list) else [value]) if i is not None]
+        kept = [i for i in given if 0 <= i < gpt2_config.vocab_size]
+        ids[name] = value
+        if len(kept) < len(given):
+            ids[name] = (kept or None) if isinstance(value, list) else None
+            logger.warning(
+                "GPT-2 config: %s %r is outside its vocabulary of %d tokens; the TNLG config has %r",
+                name, value, gpt2_config.vocab_size, ids[name],
+            )  # fmt: skip
+    return ids
 
 
 def gpt2_state_dict_to_tnlg(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

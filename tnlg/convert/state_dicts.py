@@ -8,17 +8,15 @@ parameter set before anything is assigned.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
-from tnlg.modeling.loading import CheckpointMismatchError
+from tnlg.modeling.loading import CheckpointMismatchError, check_weight_files, open_safetensors, read_index
 
 logger = logging.getLogger(__name__)
 
@@ -47,26 +45,30 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no checkpoint file or directory at {path}")
     index_files = sorted(path.glob("*.safetensors.index.json"))
     if index_files:
-        weight_map = json.loads(index_files[0].read_text())["weight_map"]
-        tensors: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
-            tensors.update(load_file(path / shard))
-        return tensors
+        return _load_safetensors(path, sorted(set(read_index(index_files[0]).values())))
     safetensors_files = sorted(path.glob("*.safetensors"))
     if safetensors_files:
-        tensors = {}
-        for file in safetensors_files:
-            tensors.update(load_file(file))
-        return tensors
+        return _load_safetensors(path, [file.name for file in safetensors_files])
     for name in ("pytorch_model.bin", "model.pt"):
         if (path / name).is_file():
             return _load_file(path / name)
     raise FileNotFoundError(f"{path} holds no *.safetensors, pytorch_model.bin or model.pt")
 
 
+def _load_safetensors(directory: Path, files: list[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of `files`, each file checked first: it must open as safetensors and match the
+    directory's checksum record when it has one ([Note: checksums] in tnlg/modeling/loading.py)."""
+    check_weight_files(directory, files)
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        with open_safetensors(directory / name) as reader:
+            tensors.update({key: reader.get_tensor(key) for key in reader.keys()})  # noqa: SIM118
+    return tensors
+
+
 def _load_file(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
-        return load_file(path)
+        return _load_safetensors(path.parent, [path.name])
     loaded = load_torch_file(path)
     if not isinstance(loaded, Mapping):
         raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state dict")
