@@ -8,19 +8,38 @@ engine.step()
 """
 
 from .collectives import CommStats
-from .config import ZeroConfig, parse_deepspeed
+from .config import ZeroConfig
+from .deepspeed import (
+    DeepSpeedConfig,
+    OptimizerSpec,
+    SchedulerSpec,
+    TrainingConfig,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+    load_deepspeed,
+    parse_deepspeed,
+)
 from .engine import ZeroEngine, initialize
 from .init import init_weights, materialize
 from .pretrained import PretrainedSource, SafetensorsCheckpoint, meta_from_pretrained, set_pretrained_source
 
 __all__ = [
     "CommStats",
+    "DeepSpeedConfig",
+    "OptimizerSpec",
     "PretrainedSource",
     "SafetensorsCheckpoint",
+    "SchedulerSpec",
+    "TrainingConfig",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupLR",
     "ZeroConfig",
     "ZeroEngine",
     "init_weights",
     "initialize",
+    "load_deepspeed",
     "materialize",
     "meta_from_pretrained",
     "parse_deepspeed",

@@ -1,14 +1,16 @@
-"""`ZeroConfig`: every setting of the ZeRO engine, validated, and the DeepSpeed JSON parser.
+"""`ZeroConfig`: every setting of the ZeRO engine, validated, and the reader of a DeepSpeed JSON's
+zero_optimization / bf16 / fp16 sections (the rest of the JSON: deepspeed.py).
 
 Sizes are in elements (as in DeepSpeed's JSON), not bytes.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -112,95 +114,273 @@ class ZeroConfig:
 
     @classmethod
     def coerce(cls, config: ZeroConfig | Mapping[str, Any] | str | Path | None) -> ZeroConfig:
-        """A `ZeroConfig` from itself, a dict of its fields or a DeepSpeed-style dict, or a JSON path."""
+        """A `ZeroConfig` from itself, a dict (or JSON file) of its fields, or a DeepSpeed config dict or
+        JSON file.
+
+        A DeepSpeed config is read whole and checked (see `tnlg.sharding.deepspeed`); only its ZeroConfig
+        part is returned: the training part (batch sizes, optimizer, scheduler) is the engine's, through
+        `initialize(model, optimizer, path_or_dict)`.
+        """
         if config is None:
             return cls()
         if isinstance(config, ZeroConfig):
             return config
-        if isinstance(config, (str, Path)):
-            return cls.from_deepspeed(config)
-        if isinstance(config, Mapping):
-            own = {f.name for f in fields(cls)}
-            # `gradient_clipping` is also a top-level DeepSpeed key: alone, it reads the same either way.
-            if set(config) & (own - {"gradient_clipping"}):
-                unknown = sorted(str(key) for key in set(config) - own)
-                if unknown:
-                    raise ValueError(f"not ZeroConfig fields: {', '.join(unknown)}")
-                return cls(**config)
-            return cls.from_deepspeed(config)
-        raise TypeError(f"expected a ZeroConfig, a dict or a JSON path, got {type(config).__name__}")
+        from .deepspeed import engine_settings
+
+        return engine_settings(config).zero
 
     @classmethod
-    def from_deepspeed(cls, config: Mapping[str, Any] | str | Path, **auto: Any) -> ZeroConfig:
-        """Parse a DeepSpeed config (dict or JSON file); logs the keys it ignores.
+    def from_deepspeed(
+        cls,
+        config: Mapping[str, Any] | str | Path,
+        *,
+        overrides: Mapping[str, Any] | None = None,
+        override_names: Mapping[str, str] | None = None,
+        **auto: Any,
+    ) -> ZeroConfig:
+        """The ZeroConfig part of a DeepSpeed config (dict or JSON file), every key checked.
 
-        `"auto"` values take the matching keyword from `auto` (e.g. `mixed_precision="bf16"` from
-        the launcher; `initial_scale_power` too) or else the field's default; unknown keywords
-        raise TypeError.
+        Unknown keys are errors naming the key path; keys that cannot change training results are
+        logged once at INFO (see [Note: DeepSpeed keys] in deepspeed.py). `"auto"` values take the
+        matching keyword from `auto` (e.g. `mixed_precision="bf16"` from the launcher;
+        `initial_scale_power` too) or else the field's default; unknown keywords raise TypeError.
+
+        `overrides` are ZeroConfig fields set elsewhere (a run config, a command line): a field the JSON
+        sets to a different value is a ValueError naming both (`override_names` gives each field's
+        name in the error, e.g. {"stage": "--zero.stage"}); fields the JSON leaves unset (or "auto")
+        take the override.
         """
-        parsed, ignored = parse_deepspeed(config, **auto)
-        if ignored:
-            logger.warning("ZeroConfig.from_deepspeed ignores these keys: %s", ", ".join(ignored))
-        return parsed
+        from .deepspeed import load_deepspeed
+
+        return load_deepspeed(config, **auto).with_overrides(overrides or {}, override_names).zero
 
 
-def parse_deepspeed(config: Mapping[str, Any] | str | Path, **auto: Any) -> tuple[ZeroConfig, list[str]]:
-    """(`ZeroConfig`, ignored key paths) from a DeepSpeed config dict or JSON file."""
-    source = "a DeepSpeed config"
-    if isinstance(config, (str, Path)):
-        path = Path(config)
-        source = f"DeepSpeed config {path}"
+def mapping_kind(config: Mapping[str, Any]) -> str:
+    """Whether a dict holds ZeroConfig fields ("fields") or is a DeepSpeed config ("deepspeed"); a dict
+    that mixes the two, or whose keys are neither, is a ValueError naming the keys."""
+    from .deepspeed import TOP_LEVEL_KEYS
+
+    own = {f.name for f in fields(ZeroConfig)}
+    keys = {str(key) for key in config}
+    # `gradient_clipping` is both a field and a top-level DeepSpeed key: alone, it reads the same either way.
+    field_keys = sorted(keys & own - {"gradient_clipping"})
+    deepspeed_keys = sorted(keys & TOP_LEVEL_KEYS - {"gradient_clipping"})
+    if field_keys and deepspeed_keys:
+        raise ValueError(
+            f"a config dict mixes ZeroConfig fields ({', '.join(field_keys)}) and DeepSpeed keys "
+            f"({', '.join(deepspeed_keys)}): use one or the other"
+        )
+    if deepspeed_keys or keys <= {"gradient_clipping"}:
+        return "deepspeed"
+    unknown = sorted(keys - own)
+    if unknown:
+        known = own if field_keys else own | TOP_LEVEL_KEYS
+        what = "ZeroConfig fields" if field_keys else "ZeroConfig fields or DeepSpeed keys"
+        raise ValueError(f"not {what}: {', '.join(suggest(key, known) for key in unknown)}")
+    return "fields"
+
+
+def apply_overrides(
+    zero: ZeroConfig,
+    sources: Mapping[str, tuple[str, Any]],
+    source: str,
+    overrides: Mapping[str, Any],
+    names: Mapping[str, str],
+) -> ZeroConfig:
+    """`zero` with `overrides` applied to the fields the DeepSpeed config leaves unset; an override of a
+    field it sets (`sources`: field -> (key path, value as written)) must agree with it."""
+    own = {f.name for f in fields(ZeroConfig)}
+    unknown = sorted(set(overrides) - own)
+    if unknown:
+        raise TypeError(
+            f"overrides that are not ZeroConfig fields: {', '.join(suggest(k, own) for k in unknown)}"
+        )
+    changes: dict[str, Any] = {}
+    for field, value in overrides.items():
+        name = names.get(field, field)
         try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ValueError(f"{path} is not valid JSON: {error}") from error
-    if not isinstance(config, Mapping):
-        raise ValueError(f"{source} must be a JSON object, got {type(config).__name__}")
-    reader = _DeepSpeedReader(auto)
-    values = reader.read(config)
+            _check_field(field, value)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from error
+        if field not in sources:
+            changes[field] = value
+            continue
+        current = getattr(zero, field)
+        if not same_value(value, current):
+            path, raw = sources[field]
+            written = f"{path} {raw!r}" + ("" if same_value(raw, current) else f" (= {field} {current!r})")
+            raise ValueError(
+                f"{name} {value!r} conflicts with {written} in {source}: change one of them to agree "
+                "with the other"
+            )
     try:
-        return ZeroConfig(**values), reader.ignored
+        return zero.replace(**changes)
     except ValueError as error:
-        raise ValueError(f"invalid DeepSpeed config: {error}") from error
+        shown = ", ".join(f"{names.get(k, k)}={v!r}" for k, v in changes.items())
+        raise ValueError(f"{source} with {shown}: {error}") from error
 
 
-# DeepSpeed zero_optimization key → ZeroConfig field.
+def same_value(a: Any, b: Any) -> bool:
+    """Equal, and not only because True == 1: JSON numbers compare by value (5e8 == 500000000)."""
+    return isinstance(a, bool) == isinstance(b, bool) and a == b
+
+
+def suggest(key: str, known: Iterable[str]) -> str:
+    """`key`, with the closest known key when there is one: "stgae (did you mean 'stage'?)"."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f"{key} (did you mean {close[0]!r}?)" if close else key
+
+
+# ---------------------------------------------------------------------------------------------------
+# The DeepSpeed JSON's zero_optimization, bf16 and fp16 sections. The top level, the training keys
+# (batch sizes, optimizer, scheduler) and [Note: DeepSpeed keys] are in deepspeed.py.
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """A DeepSpeed key tnlg reads but does not act on. `accepts(value)`: ignoring it at that value
+    trains exactly as DeepSpeed would; any other value is an error. `why`: what the key does, and why
+    ignoring it is safe (logged) or what tnlg lacks (the error)."""
+
+    why: str
+    accepts: Callable[[Any], bool] = lambda value: True
+    expected: str = ""  # the accepted values, for the error; empty: every value is accepted
+
+
+def at(default: Any) -> dict[str, Any]:
+    """A `KeyRule`'s arguments accepting only `default` (or "auto")."""
+    return {"accepts": lambda value: value == "auto" or same_value(value, default), "expected": repr(default)}
+
+
+def disabled() -> dict[str, Any]:
+    """A `KeyRule`'s arguments accepting a section only when it is absent, null or not enabled."""
+
+    def accepts(value: Any) -> bool:
+        return value is None or (
+            isinstance(value, Mapping) and value.get("enabled", False) in (False, "auto")
+        )
+
+    return {"accepts": accepts, "expected": '{"enabled": false}'}
+
+
+_PERF = "performance only: the same result either way"
+# zero_optimization keys → ZeroConfig field (DeepSpeed accepts the stage3_ keys without the prefix too).
 _ZERO_KEYS = {
     "stage": "stage",
     "reduce_bucket_size": "reduce_bucket_size",
     "overlap_comm": "overlap_comm",
     "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "prefetch_bucket_size": "prefetch_bucket_size",
     "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "param_persistence_threshold": "param_persistence_threshold",
     "stage3_max_live_parameters": "max_live_parameters",
+    "max_live_parameters": "max_live_parameters",
 }
-# Keys whose behaviour tnlg always has (or does not need): accepted silently.
-_ZERO_BUILT_IN = {
-    "contiguous_gradients",  # gradients always live in contiguous flat buffers
-    "reduce_scatter",  # gradients are always reduce-scattered
-    "allgather_partitions",  # parameters are always all-gathered
-    "stage3_gather_16bit_weights_on_model_save",  # full_state_dict always gathers
-    "stage3_gather_fp16_weights_on_model_save",
+_ZERO_RULES = {
+    "contiguous_gradients": KeyRule("gradients always live in contiguous flat buffers"),
+    "reduce_scatter": KeyRule(f"how gradients are reduced; {_PERF}"),
+    "allgather_partitions": KeyRule(f"how parameters are gathered; {_PERF}"),
+    "allgather_bucket_size": KeyRule(f"gathers go unit by unit (reduce_bucket_size); {_PERF}"),
+    "use_multi_rank_bucket_allreduce": KeyRule(_PERF),
+    "round_robin_gradients": KeyRule(_PERF),
+    "sub_group_size": KeyRule(
+        f"the optimizer steps each rank's shard whole; sub-groups bound memory, {_PERF}"
+    ),
+    "stage3_max_reuse_distance": KeyRule(f"stage 3 frees a block's parameters after its use; {_PERF}"),
+    "max_reuse_distance": KeyRule(f"stage 3 frees a block's parameters after its use; {_PERF}"),
+    "stage3_model_persistence_threshold": KeyRule(f"memory bound on persistent parameters; {_PERF}"),
+    "model_persistence_threshold": KeyRule(f"memory bound on persistent parameters; {_PERF}"),
+    "stage3_module_granularity_threshold": KeyRule(f"stage 3 fetch granularity; {_PERF}"),
+    "module_granularity_threshold": KeyRule(f"stage 3 fetch granularity; {_PERF}"),
+    "stage3_use_all_reduce_for_fetch_params": KeyRule(f"stage 3 fetch collective; {_PERF}"),
+    "use_all_reduce_for_fetch_params": KeyRule(f"stage 3 fetch collective; {_PERF}"),
+    "stage3_allgather_sequential": KeyRule(f"stage 3 fetch order; {_PERF}"),
+    "allgather_sequential": KeyRule(f"stage 3 fetch order; {_PERF}"),
+    "leaf_module": KeyRule(f"stage 3 fetch units; {_PERF}"),
+    "memory_efficient_linear": KeyRule(f"zero.Init's linear layers; {_PERF}"),
+    "override_module_apply": KeyRule("zero.Init's module.apply patch: tnlg patches no torch code"),
+    "stage3_gather_16bit_weights_on_model_save": KeyRule("full_state_dict() always gathers whole weights"),
+    "gather_16bit_weights_on_model_save": KeyRule("full_state_dict() always gathers whole weights"),
+    "stage3_gather_fp16_weights_on_model_save": KeyRule("full_state_dict() always gathers whole weights"),
+    "elastic_checkpoint": KeyRule("tnlg checkpoints load at any world size and stage"),
+    "ignore_unused_parameters": KeyRule(
+        "unused parameters are always accepted (their gradient counts as zero)"
+    ),
+    "cpu_offload_use_pin_memory": KeyRule(f"host-memory pinning; {_PERF}"),
+    "log_trace_cache_warnings": KeyRule("diagnostics only"),
+    "enable_sanity_checks": KeyRule("diagnostics only"),
+    "save_muon_momentum_buffer_in_memory": KeyRule("Muon optimizer only; tnlg builds no Muon"),
+    "load_from_fp32_weights": KeyRule("checkpoints always restore the fp32 master weights", **at(True)),
+    "legacy_stage1": KeyRule("DeepSpeed's legacy stage 1", **at(False)),
+    "cpu_offload": KeyRule("deprecated: use offload_optimizer.device = cpu", **at(False)),
+    "cpu_offload_param": KeyRule("deprecated: use offload_param.device = cpu", **at(False)),
+    "zero_hpz_partition_size": KeyRule("ZeRO++ hierarchical partitioning is not implemented", **at(1)),
+    "zero_quantized_weights": KeyRule("ZeRO++ quantized weights are not implemented", **at(False)),
+    "zero_quantized_nontrainable_weights": KeyRule(
+        "ZeRO++ quantized weights are not implemented", **at(False)
+    ),
+    "zero_quantized_gradients": KeyRule("ZeRO++ quantized gradients are not implemented", **at(False)),
+    "zeropp_loco_param": KeyRule("ZeRO++ LoCo is not implemented", **at(None)),
+    "mics_shard_size": KeyRule("MiCS sharding is not implemented", **at(-1)),
+    "mics_hierarchical_params_gather": KeyRule("MiCS sharding is not implemented", **at(False)),
+    "pipeline_loading_checkpoint": KeyRule("pipeline-parallel loading is not implemented", **at(False)),
+    "zenflow": KeyRule("ZenFlow is not implemented", **at(None)),
+}
+_NVME = "NVMe offload only (tnlg offloads to CPU memory)"
+_OFFLOAD_RULES = {
+    "pin_memory": KeyRule(f"host-memory pinning; {_PERF}"),
+    "nvme_path": KeyRule(_NVME),
+    "buffer_count": KeyRule(_NVME),
+    "buffer_size": KeyRule(_NVME),
+    "max_in_cpu": KeyRule(_NVME),
+    "pipeline_read": KeyRule(_NVME),
+    "pipeline_write": KeyRule(_NVME),
+    "fast_init": KeyRule(_NVME),
+    "cpuadam_cores_perc": KeyRule(f"CPUAdam threads; {_PERF}"),
+    "ratio": KeyRule("partial offload is not implemented: tnlg offloads all of it", **at(1.0)),
+    "super_offload": KeyRule("SuperOffload is not implemented", **at(False)),
 }
 _FP16_KEYS = {
     "loss_scale_window": "loss_scale_window",
     "hysteresis": "hysteresis",
     "min_loss_scale": "min_loss_scale",
 }
+_FP16_RULES = {
+    "consecutive_hysteresis": KeyRule("hysteresis is re-armed only when the scale grows", **at(False)),
+    "auto_cast": KeyRule("tnlg casts the parameters, not the inputs", **at(False)),
+    "fp16_master_weights_and_grads": KeyRule("master weights are always fp32", **at(False)),
+}
+_BF16_RULES = {
+    "immediate_grad_update": KeyRule(
+        "gradients accumulate in the 16-bit buffers until the step", **at(False)
+    ),
+    "check_grad_overflow": KeyRule("a non-finite gradient norm always skips the step", **at(True)),
+    "bf16_master_weights_and_grads": KeyRule("master weights are always fp32", **at(False)),
+    "bf16_optimizer_states": KeyRule("optimizer states are always fp32", **at(False)),
+}
 
 
-class _DeepSpeedReader:
-    def __init__(self, auto: Mapping[str, Any]):
+class SectionReader:
+    """Reads the ZeroConfig part of one DeepSpeed config. It records which key set each field (for
+    `apply_overrides`), the keys it reads but ignores (path, why) and every unknown key, so that one
+    error can name them all."""
+
+    def __init__(self, auto: Mapping[str, Any], extra_auto: Iterable[str] = ()):
         own = {f.name for f in fields(ZeroConfig)}
-        unknown = sorted(set(auto) - own - {"initial_scale_power"})
+        unknown = sorted(set(auto) - own - {"initial_scale_power"} - set(extra_auto))
         if unknown:
             raise TypeError(f'unknown keywords for "auto" values: {", ".join(unknown)}')
         for name, value in auto.items():
             if name in own:
                 _check_field(name, value)
         self.auto = dict(auto)
-        self.ignored: list[str] = []
+        self.values: dict[str, Any] = {}
+        self.sources: dict[str, tuple[str, Any]] = {}  # field -> (key path, value as written)
+        self.ignored: list[tuple[str, str]] = []
+        self.unknown: list[str] = []
         self.enabled: list[str] = []  # the 16-bit sections enabled, after "auto" resolution
 
+    # ------------------------------------------------------------------ values
     def resolve(self, raw: Any, field: str) -> Any:
         if isinstance(raw, str) and raw == "auto":
             return self.auto.get(field, _default(field))
@@ -209,84 +389,105 @@ class _DeepSpeedReader:
             return int(raw)
         return raw
 
-    def value(self, path: str, raw: Any, field: str) -> Any:
-        """The resolved value of key `path` for `field`, checked (errors name `path`)."""
-        value = self.resolve(raw, field)
-        _check_at(path, field, value)
-        return value
+    def set(self, path: str, raw: Any, field: str, value: Any = None, resolved: bool = False) -> None:
+        """Field `field` from key `path` (errors name `path`); "auto" leaves the field to the launcher."""
+        value = value if resolved else self.resolve(raw, field)
+        check_at(path, field, value)
+        self.values[field] = value
+        if not (isinstance(raw, str) and raw == "auto"):
+            self.sources[field] = (path, raw)
 
-    def read(self, config: Mapping[str, Any]) -> dict[str, Any]:
-        values: dict[str, Any] = {}
-        for key, raw in config.items():
-            if key == "zero_optimization":
-                values.update(self.read_zero(_section(key, raw)))
-            elif key in ("bf16", "fp16"):
-                values.update(self.read_precision(key, _section(key, raw)))
-            elif key == "gradient_clipping":
-                values["gradient_clipping"] = self.value(key, raw, "gradient_clipping")
-            elif key == "zero_allow_untested_optimizer":
-                continue  # the engine takes any torch optimizer
-            else:
-                self.ignored.append(key)
-        if len(self.enabled) > 1:
-            raise ValueError("invalid DeepSpeed config: bf16.enabled and fp16.enabled are both true")
-        return values
+    def rule(self, path: str, raw: Any, rule: KeyRule) -> None:
+        """A key tnlg reads but does not act on: logged if ignoring it is exact, else an error."""
+        if not rule.accepts(raw):
+            fix = f"remove it or set it to {rule.expected}" if rule.expected else "remove it"
+            raise ValueError(
+                f"invalid DeepSpeed config: {path} = {json.dumps(raw, default=str)} is not supported "
+                f"({rule.why}); {fix}"
+            )
+        self.ignored.append((path, rule.why))
 
-    def read_zero(self, section: Mapping[str, Any]) -> dict[str, Any]:
-        values: dict[str, Any] = {}
+    def other(
+        self, path: str, key: str, raw: Any, rules: Mapping[str, KeyRule], known: Iterable[str]
+    ) -> None:
+        """A key the section does not apply: a known one (`rules`), else an unknown one."""
+        if key in rules:
+            self.rule(path, raw, rules[key])
+        else:
+            prefix = path[: len(path) - len(key)]
+            self.unknown.append(prefix + suggest(key, set(known) | set(rules)))
+
+    # ------------------------------------------------------------------ sections
+    def read_zero(self, section: Mapping[str, Any]) -> None:
         for key, raw in section.items():
             path = f"zero_optimization.{key}"
             if key in _ZERO_KEYS:
-                field = _ZERO_KEYS[key]
-                values[field] = self.value(path, raw, field)
+                self.set(path, raw, _ZERO_KEYS[key])
             elif key in ("offload_optimizer", "offload_param"):
-                section = {} if raw is None else _section(path, raw)  # DeepSpeed: null = no offload
-                device = section.get("device", "none")
-                if not isinstance(device, str) or device not in OFFLOAD_DEVICES:
-                    note = " (NVMe offload is not supported)" if device == "nvme" else ""
-                    raise ValueError(
-                        f"invalid DeepSpeed config: {path}.device must be one of "
-                        f"{list(OFFLOAD_DEVICES)}, got {device!r}{note}"
-                    )
-                values[key] = device
-                self.ignored.extend(f"{path}.{k}" for k in section if k != "device")
-            elif key not in _ZERO_BUILT_IN:
-                self.ignored.append(path)
-        return values
+                self.read_offload(path, key, raw)
+            else:
+                self.other(path, key, raw, _ZERO_RULES, [*_ZERO_KEYS, "offload_optimizer", "offload_param"])
 
-    def read_precision(self, kind: str, section: Mapping[str, Any]) -> dict[str, Any]:
+    def read_offload(self, path: str, field: str, raw: Any) -> None:
+        section = {} if raw is None else _section(path, raw)  # DeepSpeed: null = no offload
+        device = section.get("device", "none")
+        if not isinstance(device, str) or device not in OFFLOAD_DEVICES:
+            note = " (NVMe offload is not supported)" if device == "nvme" else ""
+            raise ValueError(
+                f"invalid DeepSpeed config: {path}.device must be one of "
+                f"{list(OFFLOAD_DEVICES)}, got {device!r}{note}"
+            )
+        self.set(f"{path}.device", device, field)
+        for key, value in section.items():
+            if key != "device":
+                self.other(f"{path}.{key}", key, value, _OFFLOAD_RULES, ["device"])
+
+    def read_precision(self, kind: str, section: Mapping[str, Any]) -> None:
+        """`kind`: "bf16" or "fp16" (the section's key, "bfloat16" read as "bf16")."""
         enabled = section.get("enabled", False)
         if enabled == "auto":
             enabled = self.auto.get("mixed_precision", "no") == kind
+        elif enabled is True:
+            self.sources["mixed_precision"] = (f"{kind}.enabled", True)
         if enabled not in (True, False):
             raise ValueError(
                 f'invalid DeepSpeed config: {kind}.enabled must be true, false or "auto", got {enabled!r}'
             )
-        values: dict[str, Any] = {"mixed_precision": kind} if enabled else {}
         if enabled:
             self.enabled.append(kind)
+            self.values["mixed_precision"] = kind
         for key, raw in section.items():
             path = f"{kind}.{key}"
             if key == "enabled":
                 continue
             if kind == "fp16" and key in _FP16_KEYS:
-                values[_FP16_KEYS[key]] = self.value(path, raw, _FP16_KEYS[key])
+                self.set(path, raw, _FP16_KEYS[key])
             elif kind == "fp16" and key == "initial_scale_power":
                 power = self.resolve(raw, "initial_scale_power")
                 if isinstance(power, bool) or not isinstance(power, int) or not 0 <= power <= 1023:
                     raise ValueError(
                         f"invalid DeepSpeed config: {path} must be an integer in [0, 1023], got {power!r}"
                     )
-                values["initial_loss_scale"] = 2.0**power
+                self.set(path, raw, "initial_loss_scale", 2.0**power, resolved=True)
             elif kind == "fp16" and key == "loss_scale":
                 scale = self.resolve(raw, "static_loss_scale")
                 if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale == 0:
                     scale = None  # DeepSpeed: 0 means dynamic loss scaling
-                _check_at(path, "static_loss_scale", scale)
-                values["static_loss_scale"] = scale
+                self.set(path, raw, "static_loss_scale", scale, resolved=True)
+            elif kind == "fp16":
+                self.other(
+                    path, key, raw, _FP16_RULES, ["enabled", "loss_scale", "initial_scale_power", *_FP16_KEYS]
+                )
             else:
-                self.ignored.append(path)
-        return values
+                self.other(path, key, raw, _BF16_RULES, ["enabled"])
+
+    def zero_config(self) -> ZeroConfig:
+        if len(self.enabled) > 1:
+            raise ValueError("invalid DeepSpeed config: bf16.enabled and fp16.enabled are both true")
+        try:
+            return ZeroConfig(**self.values)
+        except ValueError as error:
+            raise ValueError(f"invalid DeepSpeed config: {error}") from error
 
 
 def _section(path: str, raw: Any) -> Mapping[str, Any]:
@@ -295,7 +496,7 @@ def _section(path: str, raw: Any) -> Mapping[str, Any]:
     return raw
 
 
-def _check_at(path: str, field: str, value: Any) -> None:
+def check_at(path: str, field: str, value: Any) -> None:
     try:
         _check_field(field, value)
     except ValueError as error:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,13 @@ from torch import nn
 from .checkpoint import load_engine, save_engine
 from .collectives import Collectives, CommStats
 from .config import ZeroConfig
+from .deepspeed import (
+    DeepSpeedConfig,
+    engine_optimizer,
+    engine_settings,
+    read_scheduler_state,
+    save_scheduler_state,
+)
 from .flat_group import FlatGroup
 from .grads import GradientReducer
 from .init import materialize
@@ -48,14 +56,18 @@ class ZeroEngine(nn.Module):
 
     With `optimizer=None` the engine is inference only: every parameter is sharded as the stage
     says, but no gradient buffers, reduction hooks or optimizer state exist; the forward runs
-    without autograd, and training calls (`backward`, `step`, checkpoints) raise.
+    without autograd, and training calls (`backward`, `step`, checkpoints) raise. A DeepSpeed config
+    with an `optimizer` section builds that optimizer instead (see `TrainingConfig`).
+
+    With gradient accumulation (`gradient_accumulation_steps` N in a DeepSpeed config) call
+    `backward` and `step` on every micro-batch, as with DeepSpeed: see `backward` and `step`.
     """
 
     def __init__(
         self,
         module: nn.Module,
         optimizer: torch.optim.Optimizer | None,
-        config: ZeroConfig | Mapping[str, Any] | str | Path | None = None,
+        config: ZeroConfig | DeepSpeedConfig | Mapping[str, Any] | str | Path | None = None,
         process_group: dist.ProcessGroup | None = None,
         *,
         device: torch.device | str | None = None,
@@ -63,8 +75,11 @@ class ZeroEngine(nn.Module):
         pretrained: PretrainedSource | str | Path | None = None,
     ):
         super().__init__()
-        self.config = ZeroConfig.coerce(config)
+        settings = engine_settings(config)  # a DeepSpeed config's training part too (deepspeed.py)
+        self.config = settings.zero
+        optimizer = engine_optimizer(settings, module, optimizer)
         self.collectives = Collectives(process_group, CommStats())
+        self.batch_sizes = settings.batch_sizes(self.collectives.world_size)  # checked before any work
         plan = plan_sharding(module, optimizer, self.config)
         _check_backend(plan.device, self.collectives)
         self.module = module
@@ -151,8 +166,18 @@ class ZeroEngine(nn.Module):
             if optimizer is not None
             else None
         )
-        self.global_steps = 0
+        self.global_steps = 0  # optimizer steps (accumulation boundaries)
+        self.micro_steps = 0  # step() calls, one per micro-batch
         self._engine_backwards = 0
+        # The DeepSpeed config's scheduler, stepped by step() after each applied update.
+        self.lr_scheduler = (
+            settings.training.scheduler.build(optimizer) if settings.training.scheduler is not None else None
+        )
+        # Teardown without __del__ (see [Note: engine lifetime] in grads.py): runs once, at close(), when
+        # the engine is garbage-collected, or at interpreter exit. Its arguments must not hold the engine.
+        self._finalizer = weakref.finalize(
+            self, _release_parts, self.reducer, self.scheduler, self.optimizer, self.groups
+        )
 
     # ------------------------------------------------------------------ the training loop
     @property
@@ -161,6 +186,7 @@ class ZeroEngine(nn.Module):
         return self.optimizer is None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_open("forward")
         if self.inference_only:
             # No graph: nothing could run its backward, and with gradients enabled stage 3 would keep
             # the root block gathered for that backward.
@@ -169,23 +195,64 @@ class ZeroEngine(nn.Module):
         return self.module(*args, **kwargs)
 
     def _require_optimizer(self, action: str) -> None:
+        self._require_open(action)
         if self.inference_only:
             raise RuntimeError(
                 f"{action} needs an optimizer: this engine was built for inference only "
                 "(initialize(model, None, ...)); pass an optimizer to train"
             )
 
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Release what the engine holds, now; idempotent. Collectives in flight are waited for, every
+        hook is removed, gradient buffers, fp32 master and stage 3 shards are freed, and the optimizer
+        passed in is emptied (its step then raises). The module keeps the parameters it views: the full
+        16-bit values in stages 0-2, nothing usable in stage 3 (take `full_state_dict()` first). Using
+        the engine afterwards raises. Dropping the last reference to an engine does the same (see
+        [Note: engine lifetime] in grads.py); close() makes it happen at a known point, e.g. before
+        `destroy_process_group()`."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def _require_open(self, action: str) -> None:
+        if self.closed:
+            raise RuntimeError(
+                f"{action} on a closed ZeroEngine: close() released its buffers and hooks; build a new engine"
+            )
+
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss` (times the fp16 loss scale); gradients are reduced as they are ready."""
+        """Backward of `loss` (times the fp16 loss scale); gradients are reduced as they are ready.
+
+        With N accumulation steps the loss is divided by N (each micro-batch's share of the step's
+        mean, as DeepSpeed does), and stages 0-1 reduce only in the boundary's backward.
+        """
         self._require_optimizer("backward")
         self._engine_backwards += 1
+        steps = self.batch_sizes.gradient_accumulation_steps
+        if steps > 1:
+            loss = loss / steps
         scale = self.loss_scaler.scale
-        # The scaled loss is formed in fp32: a 16-bit loss times 2^16 would overflow right here.
-        (loss.float() * scale if scale != 1.0 else loss).backward()
+        synced = self.reducer.sync
+        # Inside an accumulation window gradients add up locally; `no_sync` still wins at the boundary.
+        self.reducer.sync = synced and self.is_gradient_accumulation_boundary()
+        try:
+            # The scaled loss is formed in fp32: a 16-bit loss times 2^16 would overflow right here.
+            (loss.float() * scale if scale != 1.0 else loss).backward()
+        finally:
+            self.reducer.sync = synced
 
     def step(self) -> bool:
-        """Clip, update this rank's shard, re-materialize the parameters; False if skipped (overflow)."""
+        """Clip, update this rank's shard, re-materialize the parameters, step the DeepSpeed config's
+        scheduler; False if skipped (overflow) or inside an accumulation window (only the Nth call of
+        N accumulation steps updates; the others only count the micro-step)."""
         self._require_optimizer("step")
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return False
         if self.loss_scaler.scale != 1.0 and len(self.reducer.backward_passes) > self._engine_backwards:
             raise RuntimeError(
                 "a backward pass ran without engine.backward(loss): with fp16 the loss must be scaled by the "
@@ -194,9 +261,26 @@ class ZeroEngine(nn.Module):
         self.reducer.backward_passes.clear()
         self._engine_backwards = 0
         stepped = self.optimizer.step()
+        if stepped and self.lr_scheduler is not None:
+            self.lr_scheduler.step()  # DeepSpeed: not after an overflow skip
         self.global_steps += 1
         self.zero_grad()
         return stepped
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-batch is the last of its accumulation window: its backward
+        reduces and its step() updates."""
+        return (self.micro_steps + 1) % self.batch_sizes.gradient_accumulation_steps == 0
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step that the engine accumulates (1 under `ZeroAccelerator`,
+        whose own `gradient_accumulation_steps` drives accumulation through `no_sync`)."""
+        return self.batch_sizes.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        """The DeepSpeed config's micro batch per rank (None if it sets none): the engine cannot apply
+        it to your data loader, so build the loader with it."""
+        return self.batch_sizes.train_micro_batch_size_per_gpu
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """The global gradient norm (over every rank's shard); the next `step` clips it to `max_norm`.
@@ -209,6 +293,7 @@ class ZeroEngine(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the engine's gradient buffers (`set_to_none` is accepted for API compatibility)."""
+        self._require_open("zero_grad")
         for group in self.groups:
             group.zero_grad()
 
@@ -248,6 +333,7 @@ class ZeroEngine(nn.Module):
         parameters and buffers as they are. Every rank must call it (it communicates); only rank 0
         gets the tensors unless `rank0_only=False`. Peak memory beyond the shards: one unit.
         """
+        self._require_open("full_state_dict")
         keep = self.collectives.rank == 0 or not rank0_only
         gathered: dict[int, torch.Tensor] = {}
         for group in self.groups:
@@ -276,13 +362,26 @@ class ZeroEngine(nn.Module):
     def save_checkpoint(self, directory: str | Path) -> None:
         """Every rank writes its own shard (fp32 master + optimizer state) to `directory`. Collective."""
         self._require_optimizer("save_checkpoint")
+        steps = self.batch_sizes.gradient_accumulation_steps
+        if self.micro_steps % steps:
+            raise RuntimeError(
+                f"save_checkpoint inside an accumulation window ({self.micro_steps % steps} of {steps} "
+                "micro-steps accumulated): their gradients are not saved; save after the boundary's step()"
+            )
+        if self.lr_scheduler is not None and self.collectives.rank == 0:
+            save_scheduler_state(self.lr_scheduler, Path(directory))  # before the manifest, written last
         save_engine(self, directory)
 
     def load_checkpoint(self, directory: str | Path, verify: bool = True) -> dict[str, Any]:
         """This rank's shard from a checkpoint saved at any world size and stage (see [Note: reshaping] in
         checkpoint.py); `verify` checks the files' sha256. Returns the manifest."""
         self._require_optimizer("load_checkpoint")
-        return load_engine(self, directory, verify=verify)
+        schedule = read_scheduler_state(self.lr_scheduler, Path(directory))
+        manifest = load_engine(self, directory, verify=verify)
+        if schedule is not None:
+            self.lr_scheduler.load_state_dict(schedule)
+        self.micro_steps = 0  # checkpoints are saved at accumulation boundaries
+        return manifest
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds, by kind: 16-bit (compute-dtype) params, grads, fp32 master, optimizer
@@ -375,6 +474,24 @@ def _fused_adam_backend(choice: str, device: torch.device) -> str:
     return choice
 
 
+def _release_parts(
+    reducer: GradientReducer | None,
+    scheduler: ParameterScheduler | None,
+    optimizer: ShardedOptimizer | None,
+    groups: list[FlatGroup],
+) -> None:
+    """An engine's teardown (its finalizer: see `ZeroEngine.close`). Reductions first, since they write
+    into the groups' buffers; then gathers; then the optimizer and the buffers themselves."""
+    if reducer is not None:
+        reducer.close()
+    if scheduler is not None:
+        scheduler.close()
+    if optimizer is not None:
+        optimizer.close()
+    for group in groups:
+        group.close()
+
+
 def _check_backend(device: torch.device, collectives: Collectives) -> None:
     if not collectives.active:
         return
@@ -390,7 +507,7 @@ def _check_backend(device: torch.device, collectives: Collectives) -> None:
 def initialize(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    config: ZeroConfig | Mapping[str, Any] | str | Path | None = None,
+    config: ZeroConfig | DeepSpeedConfig | Mapping[str, Any] | str | Path | None = None,
     process_group: dist.ProcessGroup | None = None,
     *,
     device: torch.device | str | None = None,
@@ -407,7 +524,10 @@ def initialize(
     the checkpoint instead (see [Note: pretrained shards] in pretrained.py).
 
     `optimizer=None` builds an inference-only engine (see `ZeroEngine`): e.g. stage 3 generation
-    of a model too large for one rank.
+    of a model too large for one rank; unless `config` is a DeepSpeed config with an `optimizer`
+    section, which is then built over the model's trainable parameters (both is an error). Its
+    `scheduler` section becomes `engine.lr_scheduler`, and its batch keys the engine's gradient
+    accumulation (see `TrainingConfig`).
     """
     return ZeroEngine(
         model, optimizer, config, process_group, device=device, init_seed=init_seed, pretrained=pretrained

@@ -14,9 +14,14 @@ Which buffers exist is the stage's policy (see [Note: flat layout] in partition.
 unit's full buffer. With CPU offload the master, the optimizer state, the stage 2-3 gradient shard
 and (`offload_param`) stage 3's 16-bit shard live in host memory instead (see [Note: offload]). In stage 3 a released unit keeps its buffer object with a zero-byte storage,
 so the views (and tensors autograd saved from them) see the data again once it is re-gathered.
+In stages 0-1 autograd accumulates straight into views of the full gradient buffer, which a hook
+makes each parameter's `.grad` during backward; between backward passes `.grad` is a placeholder
+(see [Note: gradients are the engine's] in grads.py).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +30,46 @@ from .collectives import Collectives
 from .offload import GradientsToHost, Placement, StagedGather, to_device
 from .partition import FlatLayout, Unit
 from .plan import GroupPlan
+
+# What a placeholder answers: its metadata (memory accounting, shape checks, `.device` grouping).
+# Anything that would read or write values raises.
+_PLACEHOLDER_METADATA = frozenset(
+    {
+        "shape", "dtype", "device", "layout", "ndim", "names", "is_cuda", "is_cpu", "is_meta",
+        "is_sparse", "is_quantized", "is_leaf", "requires_grad", "grad_fn", "size", "dim", "numel",
+        "nelement", "stride", "storage_offset", "element_size", "untyped_storage", "data_ptr",
+        "is_contiguous", "is_pinned", "is_floating_point", "is_complex", "__len__",
+    }
+)  # fmt: skip
+
+
+class GradientPlaceholder(torch.Tensor):
+    """What `param.grad` holds between backward passes (see [Note: gradients are the engine's] in
+    grads.py): a zero-stride view of one element, of the parameter's shape, that answers metadata
+    queries but refuses every operation on values, so that nothing computes silently on it."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = getattr(func, "__name__", str(func))
+        if name == "__get__":  # a property (.device, .shape, ...): name the property
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if name in _PLACEHOLDER_METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise RuntimeError(
+            f"{name} on the .grad of a parameter trained by the ZeRO engine: the engine keeps gradients in "
+            "its own buffers (sharded across ranks, loss-scaled with fp16), so param.grad is a placeholder "
+            "and torch.nn.utils.clip_grad_norm_ or any code reading it would get a wrong value. Use "
+            "engine.clip_grad_norm_(max_norm) (Accelerator.clip_grad_norm_ calls it) or "
+            "ZeroConfig.gradient_clipping to clip, engine.get_global_grad_norm() for the last step's norm"
+        )
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return f"GradientPlaceholder(shape={tuple(self.shape)}: the gradient is kept by the ZeRO engine)"
+
+
+def is_placeholder(grad: torch.Tensor | None) -> bool:
+    return type(grad) is GradientPlaceholder
 
 
 class FlatGroup:
@@ -61,6 +106,7 @@ class FlatGroup:
         self.shard_grad: torch.Tensor | None = None
         self.unit_full: list[torch.Tensor] = []
         self.param_views: list[torch.Tensor | None] = []  # until finish(): each parameter's view
+        self.placeholders: list[GradientPlaceholder] = []  # each parameter's .grad between backwards
         if self.placement.optimizer_on_host:
             self.master = self.placement.host_zeros(self.layout.shard_numel, torch.float32, transfer=False)
         else:
@@ -152,10 +198,14 @@ class FlatGroup:
             param.data = view
 
     def _allocate_gradients(self) -> None:
+        # One element shared by every placeholder: expanding and re-classing it allocates nothing.
+        zero = torch.zeros((), dtype=self.compute_dtype, device=self.device)
+        self.placeholders = [
+            zero.expand(param.shape).as_subclass(GradientPlaceholder) for param in self.params
+        ]
+        self.hide_gradients()
         if self.stage <= 1:
             self.full_grad = torch.zeros(self.layout.full_numel, dtype=self.compute_dtype, device=self.device)
-            for slot, param in zip(self.layout.slots, self.params, strict=True):
-                param.grad = self.grad_view(slot.index)
         elif self.placement.optimizer_on_host:
             # fp32 on the host: micro-steps accumulate there without 16-bit rounding, as DeepSpeed's offload
             self.shard_grad = self.placement.host_zeros(
@@ -181,6 +231,16 @@ class FlatGroup:
 
     def grad_pieces(self) -> list[torch.Tensor]:
         return [self.grad_piece(unit) for unit in self.layout.units]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """This rank's gradient pieces in as few tensors as possible, for a reduction over all of them
+        (one kernel instead of one per unit): the pieces tile the stage 2-3 shard and, with one shard,
+        the full buffer (padding included, which stays zero); stage 1's lie apart in its full buffer."""
+        if self.shard_grad is not None:
+            return [self.shard_grad]
+        if self.layout.num_shards == 1:
+            return [self.full_grad]
+        return self.grad_pieces()
 
     def add_reduced_gradient(self, unit: Unit, reduced: torch.Tensor, alpha: float) -> None:
         """Stages 2-3: this rank's shard piece of `unit` += `alpha` * `reduced` (a completed reduction)."""
@@ -271,13 +331,28 @@ class FlatGroup:
     def zero_grad(self) -> None:
         if self.full_grad is not None:
             self.full_grad.zero_()
-            for slot, param in zip(self.layout.slots, self.params, strict=True):
-                if param.grad is None or param.grad.data_ptr() != self.grad_view(slot.index).data_ptr():
-                    param.grad = self.grad_view(slot.index)
         if self.shard_grad is not None:
             self.shard_grad.zero_()
-            for param in self.params:
-                param.grad = None
+        self.hide_gradients()
+
+    def hide_gradients(self) -> None:
+        """Every parameter's `.grad` becomes its placeholder (see [Note: gradients are the engine's])."""
+        if not self.placeholders:  # inference only (no gradients at all), or closed
+            return
+        for param, placeholder in zip(self.params, self.placeholders, strict=True):
+            param.grad = placeholder
+
+    def close(self) -> None:
+        """Free the group's buffers (see [Note: engine lifetime] in grads.py): gradients, the master, stage
+        3's shard. The parameters keep the storage they view, which the module alone now owns: stages
+        0-2 (and stage 3's persistent units) their full 16-bit values; stage 3's other units nothing."""
+        if self.gradients_to_host is not None:
+            self.gradients_to_host.discard()
+        for param in self.params:
+            param.grad = None
+        self.placeholders = []
+        self.full = self.shard = self.full_grad = self.shard_grad = self.master = None
+        self.unit_full = []
 
     # ------------------------------------------------------------------ accounting
     def memory_bytes(self) -> dict[str, int]:
@@ -288,12 +363,12 @@ class FlatGroup:
             size(self.full) if self.stage < 3 else size(self.shard) + sum(size(b) for b in self.unit_full)
         )
         grads = size(self.full_grad) + size(self.shard_grad)
-        return {"params": params, "grads": grads, "master": size(self.master)}
+        return {"params": params, "grads": grads, "master": size(self.master)}  # all 0 once closed
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The buffers offload keeps in host memory (see [Note: offload]), including gradients in transit."""
         tensors = []
-        if self.placement.optimizer_on_host:
+        if self.placement.optimizer_on_host and self.master is not None:  # None: closed
             tensors.append(self.master)
             if self.shard_grad is not None:
                 tensors.append(self.shard_grad)

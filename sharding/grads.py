@@ -17,23 +17,58 @@ autograd's engine runs when backward ends: it reduces the units that never compl
 unused in this step, whose gradients count as zero), in unit order, identically on every rank, and
 waits for every collective. Under `no_sync` stages 0-1 skip all of this and let gradients accumulate
 locally; stages 2-3 keep reducing, since they do not keep full gradients.
+
+[Note: gradients are the engine's]
+Between backward passes every parameter's `.grad` is a `GradientPlaceholder` (flat_group.py): the
+true gradient is a sum in a stage 1 piece, a shard in stages 2-3, loss-scaled with fp16, so code that
+reads `param.grad` (`torch.nn.utils.clip_grad_norm_` returned 0.0 in stages 2-3) would be silently
+wrong; the placeholder answers metadata (shape, device, storage) but refuses every operation on
+values, naming `engine.clip_grad_norm_`. A tensor
+pre-hook puts the real destination back just before autograd accumulates (the stage 0-1 view of the
+full gradient buffer, else None), so accumulation across micro-steps is unchanged.
+
+[Note: engine lifetime]
+A hook lives as long as the tensor or module it is registered on, which the user may keep (the
+model, the optimizer, a loss tensor). Post-accumulate-grad hooks are worse: they are held from C++
+autograd metadata, where the garbage collector cannot see them, so a hook holding a bound method of
+the reducer made parameter -> hook -> reducer -> groups -> parameter a cycle gc never frees, and
+every dropped engine leaked all its buffers. So no hook holds an engine part: each is a `WeakHook`
+reaching its object through a weak reference (and plain integers), and the engine registers a
+`weakref.finalize` that tears down its parts (waits for collectives in flight, removes hooks, frees
+buffers, empties the user's optimizer) when it is collected or closed (`ZeroEngine.close`).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .collectives import Collectives
-from .flat_group import FlatGroup
+from .flat_group import FlatGroup, is_placeholder
 from .partition import Unit
 
 # Stages 2-3 hold a full-size bucket per reduction in flight; two overlap communication with the
 # next bucket's copy without letting buckets pile up.
 MAX_BUCKETS_IN_FLIGHT = 2
+
+
+class WeakHook:
+    """A hook calling `method(*args, *hook_args)` through a weak reference to the method's object, so
+    that registering it keeps nothing of the engine alive (see [Note: engine lifetime]). `args` are
+    plain values (indices), never engine objects. Once the object is gone the hook does nothing."""
+
+    def __init__(self, method: Callable[..., Any], *args: int):
+        self._method = weakref.WeakMethod(method)
+        self._args = args
+
+    def __call__(self, *hook_args: Any) -> Any:
+        method = self._method()
+        return None if method is None else method(*self._args, *hook_args)
 
 
 @dataclass
@@ -68,17 +103,25 @@ class GradientReducer:
         self._reduced: set[tuple[int, int]] = set()
         self._in_flight: deque[_InFlight] = deque()
         self._backward_active = False
-        self._hooks = [
-            param.register_post_accumulate_grad_hook(self._on_gradient)
-            for group in groups
-            for param in group.params
-        ]
+        self._closed = False
+        self._hooks = []
+        for g, group in enumerate(groups):
+            for index, param in enumerate(group.params):
+                self._hooks.append(param.register_hook(WeakHook(self._before_accumulation, g, index)))
+                self._hooks.append(param.register_post_accumulate_grad_hook(WeakHook(self._on_gradient)))
         self._reset()
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+    def close(self) -> None:
+        """Wait for the reductions in flight (a backward interrupted by an error), then unhook."""
+        while self._in_flight:
+            self._complete_oldest()
+        self.remove_hooks()
+        self._closed = True
 
     @property
     def reducing(self) -> bool:
@@ -94,8 +137,19 @@ class GradientReducer:
         self._reduced.clear()
 
     # ------------------------------------------------------------------ hooks
+    def _before_accumulation(self, g: int, index: int, grad: torch.Tensor) -> None:
+        """Just before autograd accumulates into parameter `index` of group `g`: swap its placeholder
+        for the real destination (see [Note: gradients are the engine's])."""
+        group = self.groups[g]
+        param = group.params[index]
+        if is_placeholder(param.grad):
+            param.grad = group.grad_view(index) if self.stage <= 1 else None
+
     def _on_gradient(self, param: torch.Tensor) -> None:
         self.backward_passes.add(torch._C._current_graph_task_id())
+        if not self._backward_active:
+            self._backward_active = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         group, index = self._where[id(param)]
         if self.stage <= 1:
             view = group.grad_view(index)
@@ -104,9 +158,6 @@ class GradientReducer:
                 param.grad = view
         if not self.reducing:
             return
-        if not self._backward_active:
-            self._backward_active = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         g = self.groups.index(group)
         unit = group.layout.slots[index].unit
         key = (g, unit)
@@ -115,16 +166,21 @@ class GradientReducer:
             self._reduce(g, group.layout.units[unit])
 
     def _finish_backward(self) -> None:
-        for g, group in enumerate(self.groups):
-            for unit in group.layout.units:
-                if (g, unit.index) not in self._reduced:
-                    self._reduce(g, unit)
-        while self._in_flight:
-            self._complete_oldest()
-        for group in self.groups:
-            group.settle_gradients()
+        if self._closed:  # closed while this backward ran (an error between its start and end)
+            return
+        if self.reducing:
+            for g, group in enumerate(self.groups):
+                for unit in group.layout.units:
+                    if (g, unit.index) not in self._reduced:
+                        self._reduce(g, unit)
+            while self._in_flight:
+                self._complete_oldest()
+            for group in self.groups:
+                group.settle_gradients()
         self._reset()
         self._backward_active = False
+        for group in self.groups:
+            group.hide_gradients()
         if self.on_backward_end is not None:
             self.on_backward_end()
 
@@ -158,7 +214,7 @@ class GradientReducer:
             for index in unit.slots:
                 slot, param = layout.slots[index], group.params[index]
                 target = bucket.narrow(0, slot.offset, slot.numel)
-                if param.grad is None:  # unused in this step
+                if param.grad is None or is_placeholder(param.grad):  # unused in this step
                     target.zero_()
                 else:
                     target.copy_(param.grad.reshape(-1))

@@ -119,6 +119,14 @@ class GradientsToHost:
             target.add_(staging, alpha=alpha)
         self._pending.clear()
 
+    def discard(self) -> None:
+        """Drop every pending addition (the engine is closing), after the copies into staging have
+        finished: a pinned buffer must not be freed while a device copy still writes into it."""
+        for _, _, _, event in self._pending:
+            if event is not None:
+                event.synchronize()
+        self._pending.clear()
+
     def staging(self) -> list[torch.Tensor]:
         """The host staging buffers of additions not yet settled."""
         return [staging for _, staging, _, _ in self._pending]

@@ -34,6 +34,7 @@ from torch import nn
 from .collectives import Collectives
 from .config import ZeroConfig
 from .flat_group import FlatGroup
+from .grads import WeakHook
 from .partition import Unit
 from .plan import BlockPlan
 
@@ -104,18 +105,25 @@ class ParameterScheduler:
             self._block_of[(group_id, unit_index)] = self.blocks[block_index]
         self.root = self.blocks[-1]
         self.ordered = [b for b in self.blocks if not b.is_root and b.units]
-        self._position = {id(b): i for i, b in enumerate(self.ordered)}
+        # Weak: the user keeps the model (and perhaps a loss and its graph) after dropping the engine;
+        # these hooks must not keep the scheduler, and through it every shard, alive (see
+        # [Note: engine lifetime] in grads.py). Blocks are named by position, not held.
         self._hooks = []
-        for block in self.ordered:
-            self._hooks.append(block.module.register_forward_pre_hook(self._pre_forward_hook(block)))
-            self._hooks.append(block.module.register_forward_hook(self._post_forward_hook(block)))
-        self._hooks.append(self.root.module.register_forward_pre_hook(self._root_pre_forward))
-        self._hooks.append(self.root.module.register_forward_hook(self._root_post_forward))
+        for position, block in enumerate(self.ordered):
+            self._hooks.append(block.module.register_forward_pre_hook(WeakHook(self._pre_forward, position)))
+            self._hooks.append(block.module.register_forward_hook(WeakHook(self._post_forward, position)))
+        self._hooks.append(self.root.module.register_forward_pre_hook(WeakHook(self._root_pre_forward)))
+        self._hooks.append(self.root.module.register_forward_hook(WeakHook(self._root_post_forward)))
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+    def close(self) -> None:
+        """Wait for every gather in flight (a prefetch a forward never used), release every block, unhook."""
+        self.release_all()
+        self.remove_hooks()
 
     # ------------------------------------------------------------------ forward
     def _root_pre_forward(self, module: nn.Module, args: tuple) -> None:
@@ -131,47 +139,40 @@ class ParameterScheduler:
                 if not block.needed_by_backward:
                     block.release()
 
-    def _pre_forward_hook(self, block: Block):
-        def hook(module: nn.Module, args: tuple) -> None:
-            block.ensure_gathered()
-            if not _in_backward():  # a recomputation inside backward must not prefetch forward
-                self._prefetch(self._position[id(block)], step=1)
+    def _pre_forward(self, position: int, module: nn.Module, args: tuple) -> None:
+        self.ordered[position].ensure_gathered()
+        if not _in_backward():  # a recomputation inside backward must not prefetch forward
+            self._prefetch(position, step=1)
 
-        return hook
-
-    def _post_forward_hook(self, block: Block):
-        def hook(module: nn.Module, args: tuple, output: object) -> None:
-            if _in_backward():
-                return  # activation recomputation: the block's own backward comes next
-            if not torch.is_grad_enabled():
-                if not block.needed_by_backward:
-                    block.release()
-                return
-            tensors = [t for t in _tensors(output) if t.requires_grad]
-            if not tensors:
-                # No output through which backward would announce itself: keep the block until
-                # backward ends rather than risk its backward reading released parameters.
-                block.needed_by_backward = True
-                return
-            if self.config.reshard_after_forward:
+    def _post_forward(self, position: int, module: nn.Module, args: tuple, output: object) -> None:
+        if _in_backward():
+            return  # activation recomputation: the block's own backward comes next
+        block = self.ordered[position]
+        if not torch.is_grad_enabled():
+            if not block.needed_by_backward:
                 block.release()
-            else:
-                block.needed_by_backward = True
-            block.backward_prepared = False
-            for tensor in tensors:
-                tensor.register_hook(self._pre_backward_hook(block))
-
-        return hook
+            return
+        tensors = [t for t in _tensors(output) if t.requires_grad]
+        if not tensors:
+            # No output through which backward would announce itself: keep the block until
+            # backward ends rather than risk its backward reading released parameters.
+            block.needed_by_backward = True
+            return
+        if self.config.reshard_after_forward:
+            block.release()
+        else:
+            block.needed_by_backward = True
+        block.backward_prepared = False
+        for tensor in tensors:
+            tensor.register_hook(WeakHook(self._pre_backward, position))
 
     # ------------------------------------------------------------------ backward
-    def _pre_backward_hook(self, block: Block):
-        def hook(grad: torch.Tensor) -> None:
-            if not block.backward_prepared:
-                block.backward_prepared = True
-                block.ensure_gathered()
-                self._prefetch(self._position[id(block)], step=-1)
-
-        return hook
+    def _pre_backward(self, position: int, grad: torch.Tensor) -> None:
+        block = self.ordered[position]
+        if not block.backward_prepared:
+            block.backward_prepared = True
+            block.ensure_gathered()
+            self._prefetch(position, step=-1)
 
     def on_unit_reduced(self, group: FlatGroup, unit: Unit) -> None:
         block = self._block_of.get((id(group), unit.index))

@@ -22,11 +22,21 @@ Selecting the engine from a launch: without `zero_config`, the environment decid
 `TNLG_ZERO_CONFIG` (a DeepSpeed-style JSON or a ZeroConfig JSON), else `TNLG_ZERO_STAGE` (with
 optional `TNLG_ZERO_GRADIENT_CLIPPING`, `TNLG_ZERO_OVERLAP_COMM`, and `TNLG_ZERO_OFFLOAD_OPTIMIZER` /
 `TNLG_ZERO_OFFLOAD_PARAM` set to `cpu` for ZeRO-Offload). With neither, it is exactly an `Accelerator`.
+
+A DeepSpeed JSON's training keys, as Accelerate's own DeepSpeed integration treats them: the
+Accelerator drives gradient accumulation (`accumulate()`, `no_sync`, an optimizer wrapper that steps
+at boundaries), so it adopts the JSON's `gradient_accumulation_steps` when it was given none, refuses
+a different one, and the engine accumulates nothing itself; the batch keys are checked against the
+world size; an `optimizer` section, or a `scheduler` section next to a scheduler passed to `prepare`,
+is an error naming both (the objects passed to `prepare` are the ones trained with). A `scheduler`
+section alone is built by the engine over your optimizer and stepped with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import json
 import os
 from collections.abc import Mapping
@@ -39,17 +49,25 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 from tnlg.checkpoint import restore_rng, rng_state, write_json
-from tnlg.sharding import ZeroConfig, ZeroEngine, initialize
+from tnlg.sharding import DeepSpeedConfig, ZeroConfig, ZeroEngine, initialize
+from tnlg.sharding.deepspeed import engine_settings
 
 ENV_CONFIG, ENV_STAGE = "TNLG_ZERO_CONFIG", "TNLG_ZERO_STAGE"
 
 
 def zero_config_from_environment(mixed_precision: str | None = None) -> ZeroConfig | None:
     """The ZeroConfig a launch selected through `TNLG_ZERO_*` variables, or None."""
+    settings = settings_from_environment({"mixed_precision": mixed_precision} if mixed_precision else {})
+    return settings.zero if settings is not None else None
+
+
+def settings_from_environment(auto: dict[str, Any]) -> DeepSpeedConfig | None:
+    """The engine settings a launch selected through `TNLG_ZERO_*` variables (with a JSON's training
+    part), or None; `auto` fills a DeepSpeed JSON's "auto" values."""
     path = os.environ.get(ENV_CONFIG)
-    auto = {"mixed_precision": mixed_precision} if mixed_precision else {}
     if path:
-        return ZeroConfig.from_deepspeed(path, **auto)
+        return engine_settings(path, **auto)
+    mixed_precision = auto.get("mixed_precision")
     stage = os.environ.get(ENV_STAGE)
     if stage is None or stage.lower() in ("", "none"):
         return None
@@ -64,7 +82,7 @@ def zero_config_from_environment(mixed_precision: str | None = None) -> ZeroConf
             fields[name] = value.lower()
     if mixed_precision:
         fields["mixed_precision"] = mixed_precision
-    return ZeroConfig(**fields)
+    return DeepSpeedConfig(ZeroConfig(**fields), source=ENV_STAGE)
 
 
 def _parse_int(name: str, value: str) -> int:
@@ -72,6 +90,31 @@ def _parse_int(name: str, value: str) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+def _given_accumulation(given: Mapping[str, Any]) -> int | None:
+    """The accumulation steps the Accelerator was given (as it reads them), or None if none were."""
+    plugin = given.get("gradient_accumulation_plugin")
+    if plugin is not None:
+        return plugin.num_steps
+    if os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"):  # `accelerate launch`; beats the argument
+        return _parse_int(
+            "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"]
+        )
+    return given.get("gradient_accumulation_steps")
+
+
+def _with_mixed_precision(settings: DeepSpeedConfig, mixed_precision: str | None) -> DeepSpeedConfig:
+    """The Accelerator's mixed precision fills a config that sets none; a different one is an error."""
+    zero = settings.zero
+    if not mixed_precision or mixed_precision == "no" or zero.mixed_precision == mixed_precision:
+        return settings
+    if zero.mixed_precision != "no":
+        raise ValueError(
+            f"mixed precision: {settings.source} enables {zero.mixed_precision} but the Accelerator was given "
+            f"mixed_precision={mixed_precision!r}: change one of them to agree with the other"
+        )
+    return dataclasses.replace(settings, zero=zero.replace(mixed_precision=mixed_precision))
 
 
 class EngineOptimizer(torch.optim.Optimizer):
@@ -132,33 +175,73 @@ class ZeroAccelerator(Accelerator):
     """An `Accelerator` that shards the prepared model and optimizer with tnlg's ZeRO engine."""
 
     def __init__(
-        self, *args: Any, zero_config: ZeroConfig | Mapping | str | Path | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        zero_config: ZeroConfig | DeepSpeedConfig | Mapping | str | Path | None = None,
+        **kwargs: Any,
     ):
-        mixed_precision = kwargs.get("mixed_precision")
-        if zero_config is None:
-            self.zero_config = zero_config_from_environment(mixed_precision)
-        else:
-            self.zero_config = ZeroConfig.coerce(zero_config)
-            if mixed_precision and self.zero_config.mixed_precision == "no":
-                self.zero_config = self.zero_config.replace(mixed_precision=mixed_precision)
+        given = inspect.signature(Accelerator.__init__).bind_partial(None, *args, **kwargs).arguments
+        mixed_precision = given.get("mixed_precision")
+        accumulation = _given_accumulation(given)
+        auto = {"mixed_precision": mixed_precision} if mixed_precision else {}
+        if accumulation is not None:
+            auto["gradient_accumulation_steps"] = accumulation
+        settings = (
+            settings_from_environment(auto) if zero_config is None else engine_settings(zero_config, **auto)
+        )
+        # The engine settings (with a DeepSpeed JSON's training part) and their ZeroConfig.
+        self.zero_settings = (
+            _with_mixed_precision(settings, mixed_precision) if settings is not None else None
+        )
+        self.zero_config = self.zero_settings.zero if self.zero_settings is not None else None
         if self.zero_config is not None and not torch.cuda.is_available():
             kwargs.setdefault("cpu", True)  # CPU processes on gloo
         super().__init__(*args, **kwargs)
-        if self.zero_config is not None:
+        if self.zero_settings is not None:
             self.scaler = (
                 None  # the engine scales fp16 losses itself; a GradScaler on top would be dead state
             )
+            self.zero_settings = self._take_accumulation(self.zero_settings, accumulation)
         self.engines: list[ZeroEngine] = []
         self.init_seed = 0  # seeds the initialization of a meta-device model (see tnlg.sharding.init)
+
+    def _take_accumulation(self, settings: DeepSpeedConfig, given: int | None) -> DeepSpeedConfig:
+        """The Accelerator accumulates (see the module docs): it adopts the steps the config sets or
+        implies, refuses different ones it was given, checks the batch keys against the world size, and
+        leaves the engine an accumulation of 1 (no double accumulation)."""
+        training = settings.training
+        implied = training.implied_accumulation(self.num_processes)
+        steps = implied if implied is not None else self.gradient_accumulation_steps
+        dataclasses.replace(
+            settings, training=training.replace(gradient_accumulation_steps=steps)
+        ).batch_sizes(self.num_processes)
+        if implied is not None and given is not None and implied != given:
+            raise ValueError(
+                f"gradient accumulation: {settings.source} sets {implied} steps but the Accelerator was given "
+                f"gradient_accumulation_steps={given}: change one of them to agree with the other"
+            )
+        self.gradient_accumulation_steps = steps
+        return dataclasses.replace(
+            settings, training=training.replace(gradient_accumulation_steps=1, train_batch_size=None)
+        )
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args: Any, device_placement: list[bool] | None = None):
         if self.zero_config is None:
             return super().prepare(*args, device_placement=device_placement)
+        self._refuse_a_second_scheduler(args)
         models = [i for i, a in enumerate(args) if isinstance(a, nn.Module)]
         optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
         if not models and not optimizers:  # data loaders, schedulers: Accelerate's own handling
             return super().prepare(*args, device_placement=device_placement)
+        spec = self.zero_settings.training.optimizer
+        if spec is not None:
+            passed = f"a {type(args[optimizers[0]]).__name__}" if optimizers else "none"
+            raise ValueError(
+                f"{self.zero_settings.source} has an optimizer section ({spec.type}) and prepare() takes the "
+                f"optimizer as an object (it was given {passed}): remove the section and pass your optimizer, or "
+                "train with tnlg.sharding.initialize(model, None, config), which builds it"
+            )
         if len(models) != 1 or len(optimizers) != 1:
             raise ValueError(
                 f"ZeroAccelerator.prepare shards one model with its optimizer: got {len(models)} models and "
@@ -167,7 +250,7 @@ class ZeroAccelerator(Accelerator):
         model, optimizer = args[models[0]], args[optimizers[0]]
         if not any(p.is_meta for p in model.parameters()):
             model = model.to(self.device)
-        engine = initialize(model, optimizer, self.zero_config, init_seed=self.init_seed)
+        engine = initialize(model, optimizer, self.zero_settings, init_seed=self.init_seed)
         self.engines.append(engine)
         self._models.append(engine)
         wrapped_optimizer = AcceleratedEngineOptimizer(
@@ -183,6 +266,15 @@ class ZeroAccelerator(Accelerator):
             for i, obj in zip(rest, others, strict=True):
                 prepared[i] = obj
         return tuple(prepared) if len(prepared) > 1 else prepared[0]
+
+    def _refuse_a_second_scheduler(self, args: tuple[Any, ...]) -> None:
+        section = self.zero_settings.training.scheduler
+        passed = [a for a in args if isinstance(a, torch.optim.lr_scheduler.LRScheduler)]
+        if section is not None and passed:
+            raise ValueError(
+                f"{self.zero_settings.source} has a scheduler section ({section.type}) and prepare() was given "
+                f"a {type(passed[0]).__name__}: keep one of them"
+            )
 
     def _engine_of(self, model: Any) -> ZeroEngine | None:
         if isinstance(model, ZeroEngine):
@@ -291,6 +383,11 @@ class ZeroAccelerator(Accelerator):
             else:
                 from safetensors.torch import save_file
 
-                Path(save_directory).mkdir(parents=True, exist_ok=True)
-                save_file(state, Path(save_directory) / "model.safetensors")
+                from tnlg.modeling.loading import remove_weight_files, write_checksums
+
+                directory = Path(save_directory)
+                directory.mkdir(parents=True, exist_ok=True)
+                remove_weight_files(directory)  # an earlier save's shards must not outlive this one
+                save_file(state, directory / "model.safetensors")
+                write_checksums(directory, ["model.safetensors"])
         self.wait_for_everyone()
