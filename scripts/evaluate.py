@@ -4,6 +4,10 @@ accuracy, and a fine-tuning task's metric (ROUGE for summarization, SQuAD EM/F1 
     python scripts/evaluate.py --model runs/finetune-docstrings/model --config configs/finetune/summarization.yaml
     python scripts/evaluate.py --model runs/pretrain-debug/model --perplexity notes.txt --stride 64
     python scripts/evaluate.py --model DIR --lambada lambada_test.jsonl
+
+--perplexity reads a data file (.json, .jsonl, .jsonl.gz, .jsonl.zst, .csv, .parquet: its
+--text-field rows joined by blank lines) or any other file as UTF-8 text (.txt, .md, ...); a file
+that is not UTF-8 text is refused, naming the byte offset.
     accelerate launch --multi_gpu --num_processes 2 scripts/evaluate.py --model DIR --config CFG --zero-stage 3
 
 With several processes the model is sharded by the ZeRO engine (stage 3 by default: each rank
@@ -15,22 +19,26 @@ into DIR/eval_results.json. Generation settings come from the config's `evaluati
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
 import torch
 
-from tnlg.cli import configure_logging
+from tnlg.cli import configure_logging, exit_on_input_error
 from tnlg.evaluation_suite import (
     evaluate_lambada,
     evaluate_perplexity,
     evaluate_task,
     load_for_evaluation,
+    results_path,
     results_table,
     save_results,
 )
 from tnlg.finetune_config import load_finetune_config
 from tnlg.ranks import rank_and_world
+
+logger = logging.getLogger("evaluate")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,8 +51,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--config", type=Path, help="fine-tuning config: evaluate its task")
     parser.add_argument("--split", help="the task's split to score (default: the config's validation data)")
     parser.add_argument("--max-examples", type=int, help="default: the config's evaluation.max_examples")
-    parser.add_argument("--perplexity", type=Path, action="append", default=[], help="text or data file")
-    parser.add_argument("--lambada", type=Path, help="jsonl of passages")
+    parser.add_argument(
+        "--perplexity",
+        type=Path,
+        action="append",
+        default=[],
+        help="UTF-8 text file or data file (see above)",
+    )
+    parser.add_argument("--lambada", type=Path, help="data file (jsonl, ...) of passages")
     parser.add_argument("--text-field", default="text", help="the text column of data files")
     parser.add_argument("--max-length", type=int, help="perplexity window (default: the model's positions)")
     parser.add_argument("--stride", type=int, help="perplexity window step (default: --max-length)")
@@ -63,6 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"config overrides {overrides} need --config")
     configure_logging()
     config = load_finetune_config(args.config, overrides) if args.config else None
+    target = results_path(args.model)  # a damaged earlier results file stops us before the evaluations
     model, tokenizer = load_for_evaluation(args.model, args.zero_stage, DTYPES[args.dtype], args.zero_config)
     model_module = getattr(model, "module", model)
     results: dict[str, dict] = {}
@@ -79,12 +94,16 @@ def main(argv: list[str] | None = None) -> dict:
         results[f"task:{config.task.kind}"] = evaluate_task(
             model, tokenizer, config, args.split, args.max_examples
         )
-    path = save_results(args.model, results)
     if rank_and_world()[0] == 0:
-        print(results_table(results))
-        print(f"written to {path}")
+        print(results_table(results))  # before saving: a failed write still shows what was measured
+    if target is None:
+        logger.warning("not saved: --model %s is a preset name, not a checkpoint directory", args.model)
+        return results
+    save_results(target, results)
+    if rank_and_world()[0] == 0:
+        print(f"written to {target}")
     return results
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_input_error(main)()

@@ -4,7 +4,8 @@
     python scripts/prepare_data.py --embedded --tokenizer out/tokenizer --output data/embedded
 
 One output per `--pile-set-name` when given (`PREFIX.<name>`), so that a mixture can weight the
-Pile's subsets; otherwise one output for everything.
+Pile's subsets; otherwise one output for everything. A truncated or corrupt compressed input ends the
+run naming the file, whatever `--on-bad-record` says (it is about single records), and writes nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from tnlg.cli import exit_on_input_error
 from tnlg.data.corpus import embedded_corpus
 from tnlg.data.pretokenized import write_pretokenized
 from tnlg.data.sources import DocumentReader, SourceConfig
@@ -63,4 +65,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_input_error(main)()

@@ -36,6 +36,10 @@ class PerplexityResult:
     tokens: int  # tokens scored
     bytes: int | None = None  # UTF-8 bytes of the text, when known
 
+    def __post_init__(self) -> None:
+        if self.tokens <= 0:  # exp(0 / 0) would be reported as a perplexity of nan
+            raise ValueError(f"perplexity over {self.tokens} scored tokens: nothing was evaluated")
+
     @property
     def perplexity(self) -> float:
         return math.exp(self.nll / self.tokens)
@@ -106,6 +110,10 @@ def perplexity(
 class LastWordResult:
     correct: int
     total: int
+
+    def __post_init__(self) -> None:
+        if self.total <= 0:
+            raise ValueError(f"last-word accuracy over {self.total} passages: nothing was evaluated")
 
     @property
     def accuracy(self) -> float:

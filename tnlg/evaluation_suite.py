@@ -1,8 +1,11 @@
 """The evaluations of scripts/evaluate.py on a saved checkpoint, in one process or distributed.
 
-- `perplexity` of a text (a .txt file, or the `text_field` of a json / jsonl / csv / parquet file's
-  rows joined by blank lines) with a sliding window, plus bits per byte;
-- `lambada`: last-word accuracy over a jsonl of passages (`text_field`);
+- `perplexity` of a text with a sliding window, plus bits per byte. A data file (`DATA_SUFFIXES`:
+  json / jsonl / csv / parquet, and compressed json lines) gives the `text_field` of its rows joined
+  by blank lines; any other file (.txt, .md, .py, no suffix) is read as UTF-8 text, whole. A file that
+  is not UTF-8 (named with the byte offset), holds a NUL byte (binary), or is another compressed
+  file (.txt.gz: decompress it first) is refused rather than scored as something it is not;
+- `lambada`: last-word accuracy over a data file of passages (`text_field`);
 - `task`: a fine-tuning config's task on its validation rows (or another split): the references'
   loss and ROUGE (summarization) or SQuAD EM / F1 (QA), with the config's generation settings.
 
@@ -23,9 +26,10 @@ from typing import Any
 
 import torch
 
-from tnlg.data.finetune import encode_rows, load_rows
+from tnlg.data.files import DamagedFileError, compression_of
+from tnlg.data.finetune import BUILDERS, encode_rows, load_rows
 from tnlg.distributed_generation import init_process_group_from_environment, load_sharded_model
-from tnlg.evaluate import last_word_accuracy, perplexity
+from tnlg.evaluate import last_word_accuracy, perplexity, split_last_word
 from tnlg.finetune import pad_id, validation_rows
 from tnlg.finetune_config import FinetuneConfig
 from tnlg.generation import load_model_and_tokenizer
@@ -34,6 +38,7 @@ from tnlg.sharding import ZeroConfig
 from tnlg.task_evaluation import target_loss, task_scores
 
 RESULTS_FILE = "eval_results.json"
+DATA_SUFFIXES = tuple(sorted(BUILDERS))  # the files read as rows of a text column, not as text
 
 
 def load_for_evaluation(
@@ -55,19 +60,55 @@ def load_for_evaluation(
     return load_model_and_tokenizer(model_dir, dtype, device)
 
 
+def is_data_file(path: str | Path) -> bool:
+    return Path(path).name.endswith(DATA_SUFFIXES)
+
+
 def read_text(path: str | Path, text_field: str = "text") -> str:
+    """The text to score: a data file's `text_field` rows joined by blank lines, else the file as
+    UTF-8 text (see the module docstring)."""
     path = Path(path)
-    if path.suffix == ".txt":
-        return path.read_text(encoding="utf-8")
-    return "\n\n".join(str(text) for text in text_column(path, text_field))
+    if is_data_file(path):
+        return "\n\n".join(text_column(path, text_field))
+    if compression_of(path) is not None:
+        raise ValueError(
+            f"{path} is compressed but not a data file ({', '.join(DATA_SUFFIXES)}): decompress it to score "
+            "its text"
+        )
+    return read_plain_text(path)
+
+
+def read_plain_text(path: Path) -> str:
+    """The file as UTF-8 text; ValueError naming the file and the byte offset where it is not."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no file at {path}")
+    data = path.read_bytes()
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(
+            f"{path} has a NUL byte at offset {nul}: a binary file, not text (perplexity reads UTF-8 text, or the "
+            f"text column of a data file: {', '.join(DATA_SUFFIXES)})"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        bad = data[error.start : error.end]
+        raise ValueError(
+            f"{path} is not UTF-8 text: byte offset {error.start} ({bad!r}): {error.reason}"
+        ) from error
 
 
 def text_column(path: str | Path, text_field: str) -> list[str]:
-    """The `text_field` of a data file's rows."""
+    """The `text_field` of a data file's rows; ValueError naming the row where it is not text."""
     rows = load_rows(None, [str(path)], "train")
     if text_field not in rows.column_names:
         raise ValueError(f"{path} has no column {text_field!r}; columns: {rows.column_names}")
-    return rows[text_field]
+    texts = rows.column(text_field)
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):  # str() would score the text "None" (or "5")
+            kind = "null" if text is None else f"{type(text).__name__} {text!r:.60}"
+            raise ValueError(f"{rows.origin(index)}: {text_field!r} is {kind}, not text")
+    return texts
 
 
 def evaluate_perplexity(
@@ -75,6 +116,8 @@ def evaluate_perplexity(
 ) -> dict[str, Any]:
     text = read_text(path, text_field)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < 2:
+        raise ValueError(f"{path} holds {len(ids)} token(s) of text: perplexity needs at least 2")
     result = perplexity(
         model, ids, max_length=max_length, stride=stride, text_bytes=len(text.encode("utf-8"))
     )
@@ -82,7 +125,17 @@ def evaluate_perplexity(
 
 
 def evaluate_lambada(model, tokenizer, path: str | Path, text_field: str = "text") -> dict[str, Any]:
+    if not is_data_file(path):
+        raise ValueError(
+            f"{path}: LAMBADA passages are read from a data file ({', '.join(DATA_SUFFIXES)}) with a "
+            f"{text_field!r} column"
+        )
     passages = text_column(path, text_field)
+    for index, passage in enumerate(passages):
+        try:
+            split_last_word(passage)
+        except ValueError as error:
+            raise ValueError(f"{path} row {index}: {error}") from error
     return {"source": str(path), **last_word_accuracy(model, tokenizer, passages).as_dict()}
 
 
@@ -116,12 +169,37 @@ def evaluate_task(
     }
 
 
-def save_results(model_dir: str | Path, results: dict[str, dict[str, Any]]) -> Path:
-    """Merge `results` into the checkpoint's eval_results.json (main process only writes)."""
+def results_path(model_dir: str | Path) -> Path | None:
+    """The checkpoint's eval_results.json, its earlier results checked readable (so that a damaged
+    file stops the run before the evaluations, not after them); None for a preset name (no directory
+    to write to)."""
+    if not Path(model_dir).is_dir():
+        return None
     path = Path(model_dir) / RESULTS_FILE
+    _earlier_results(path)
+    return path
+
+
+def _earlier_results(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        existing = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DamagedFileError(
+            path, f"its earlier results are not valid JSON ({error}); move it away"
+        ) from error
+    if not isinstance(existing, dict):
+        raise DamagedFileError(
+            path, f"it holds a JSON {type(existing).__name__}, not an object; move it away"
+        )
+    return existing
+
+
+def save_results(path: Path, results: dict[str, dict[str, Any]]) -> Path:
+    """Merge `results` into `path` (from `results_path`); the main process only writes."""
     if rank_and_world()[0] == 0:
-        existing = json.loads(path.read_text()) if path.is_file() else {}
-        path.write_text(json.dumps(existing | results, indent=2))
+        path.write_text(json.dumps(_earlier_results(path) | results, indent=2))
     return path
 
 

@@ -14,17 +14,21 @@ stepping (tnlg.distributed_generation).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from tnlg.data.tasks import IGNORE_INDEX, TaskFormat, encode_prompt, pad_batch
+from tnlg.data.finetune import MAX_LOGGED_SKIPS, row_name
+from tnlg.data.tasks import IGNORE_INDEX, BadExampleError, TaskFormat, encode_prompt, pad_batch
 from tnlg.distributed_generation import generate_on_ranks
 from tnlg.generation import GenerationSettings
 from tnlg.ranks import all_ranks_sum, model_device, rank_share
 from tnlg.text_metrics import rouge_scores, squad_scores
+
+logger = logging.getLogger(__name__)
 
 SAMPLES = 3  # predictions kept in the results, to read next to the scores
 
@@ -47,9 +51,14 @@ def target_loss(
         batch = {k: v.to(device) for k, v in pad_batch(chunk, pad_token_id).items()}
         loss = model(**batch).loss
         targets = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
-        totals += weight * torch.stack([loss.double() * targets, targets.double()]).cpu()
+        if targets > 0:  # a batch with no target token has a loss of nan (0 / 0): it adds nothing
+            totals += weight * torch.stack([loss.double() * targets, targets.double()]).cpu()
     model.train(was_training)
     totals = all_ranks_sum(totals)
+    if totals[1] == 0:
+        raise ValueError(
+            f"the {len(examples)} examples have no target token after the first position to score"
+        )
     mean = (totals[0] / totals[1]).item()
     return {"eval_perplexity": math.exp(mean), "eval_loss": mean}
 
@@ -68,12 +77,14 @@ def task_scores(
     batch_size: int = 8,
     max_examples: int | None = None,
 ) -> dict[str, Any]:
-    """The task's metric on the first `max_examples` rows, generated across the ranks; every rank
-    returns the same scores."""
-    count = len(rows) if max_examples is None else min(len(rows), max_examples)
+    """The task's metric on the first `max_examples` rows that make an example, generated across the
+    ranks; every rank returns the same scores. Rows that cannot (a null or empty field: see
+    tnlg.data.tasks) are skipped, logged and counted as "skipped_rows": the training data policy
+    (`data.on_long_example`) has already refused them when it says "stop"."""
+    prompts, skipped = _prompts(rows, task, tokenizer, settings.max_new_tokens, max_examples)
+    count = len(prompts)
     if count == 0:
-        raise ValueError("no rows to evaluate")
-    prompts = [encode_prompt(rows[i], task, tokenizer, settings.max_new_tokens) for i in range(count)]
+        raise ValueError(f"no rows to evaluate ({len(rows)} rows, {skipped} of them unusable)")
     was_training = model.training
     model.eval()
     completions = generate_on_ranks(model, tokenizer, [p["input_ids"] for p in prompts], settings, batch_size)
@@ -87,4 +98,22 @@ def task_scores(
     samples = [
         {"prediction": p, "reference": r[0]} for p, r in zip(predictions[:SAMPLES], references, strict=False)
     ]
-    return {"examples": count, **scores, "samples": samples}
+    return {"examples": count, **scores, **({"skipped_rows": skipped} if skipped else {}), "samples": samples}
+
+
+def _prompts(
+    rows: Any, task: TaskFormat, tokenizer, max_new_tokens: int, max_examples: int | None
+) -> tuple[list[dict[str, Any]], int]:
+    """The prompts of the first `max_examples` usable rows, and how many rows were skipped."""
+    prompts: list[dict[str, Any]] = []
+    skipped = 0
+    for index in range(len(rows)):
+        if max_examples is not None and len(prompts) >= max_examples:
+            break
+        try:
+            prompts.append(encode_prompt(rows[index], task, tokenizer, max_new_tokens))
+        except BadExampleError as error:
+            if skipped < MAX_LOGGED_SKIPS:
+                logger.warning("evaluation: skipping %s: %s", row_name(rows, index), error)
+            skipped += 1
+    return prompts, skipped

@@ -1,6 +1,7 @@
 """Pretraining data: corpus sources (files or `datasets`), packing, mixtures, shuffling, the
 pre-tokenized format, tokenizer training, and the embedded default corpus."""
 
+from .files import DamagedFileError
 from .packing import Mixture, PackedSource, ShuffleBuffer
 from .pretokenized import PretokenizedCorpus, PretokenizedStream, write_pretokenized
 from .sources import BadRecordError, DocumentReader, SourceConfig
@@ -8,6 +9,7 @@ from .stream import StreamConfig, TokenStream
 
 __all__ = [
     "BadRecordError",
+    "DamagedFileError",
     "DocumentReader",
     "Mixture",
     "PackedSource",

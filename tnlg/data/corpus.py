@@ -133,9 +133,10 @@ def _english_docs() -> Iterator[str]:
 def _write_subset(directory: Path, subset: str, documents: Iterator[str], max_bytes: int) -> None:
     written = 0
     with contextlib.ExitStack() as stack:
+        # A checksum per frame: a damaged cached file is then refused, not read as far as it goes.
         writers = {
             split: stack.enter_context(
-                zstandard.ZstdCompressor(level=10).stream_writer(
+                zstandard.ZstdCompressor(level=10, write_checksum=True).stream_writer(
                     stack.enter_context(open(directory / f"{subset}.{split}.jsonl.zst", "wb"))
                 )
             )

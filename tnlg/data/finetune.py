@@ -11,19 +11,34 @@ attention mask) keeps every example attending only to itself. Without packing a 
 its longest example. Each optimizer-step slice is `micro_batch_size` rows for each rank, the same
 count on every rank (a ZeRO step is collective); the epoch's last incomplete slice is dropped.
 The position (epoch, rows consumed) is world-size independent, so a run resumes at another size.
+
+Files: a path that exists is read as itself, a glob only when it does not (see [Note: literal paths
+first] in files.py). Each file is loaded on its own so that every row keeps its file and row number
+(counting from 0, as `datasets` does) for messages. A file that is empty or holds no rows, or a
+compressed one that is truncated or corrupt, is refused by name (checked in full before `datasets`
+reads it, which would read a truncated `.zst` as far as it goes). CSV cells are read as text, as
+written: "007" stays "007", never the number 7.
+
+Bad rows (a null, non-text or empty field, a SQuAD row without answers, a target that cannot fit):
+`on_long_example="stop"` refuses the first, naming it; `"skip"` drops them, counted by reason.
 """
 
 from __future__ import annotations
 
+import bisect
 import glob
+import itertools
 import logging
+import numbers
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tnlg.data.tasks import IGNORE_INDEX, TaskFormat, encode_example, pad_batch
+from tnlg.data.files import DamagedFileError, check_compressed, compression_of, expand_path
+from tnlg.data.tasks import IGNORE_INDEX, BadExampleError, TaskFormat, encode_example, pad_batch
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +53,45 @@ BUILDERS = {
     ".parquet": "parquet",
 }
 EMBEDDED_PREFIX = "embedded:"
+MAX_LOGGED_SKIPS = 10  # the first skipped rows are logged by name; all are counted
+
+
+class Rows(Sequence):
+    """The rows of one split, each traceable to where it came from: a file (and its row number) or a
+    dataset split. Indexing gives one row as a dict; `table` is the `datasets.Dataset` itself."""
+
+    def __init__(self, table: Any, parts: Sequence[tuple[str, int]]):
+        self.table = table
+        self.names = [name for name, _ in parts]
+        self.starts = list(itertools.accumulate((count for _, count in parts), initial=0))[:-1]
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not isinstance(index, numbers.Integral):  # a Dataset would give a column for a name
+            raise TypeError(f"rows are indexed by int, got {type(index).__name__}: use .column(name)")
+        return self.table[int(index)]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.table)
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self.table.column_names)
+
+    def column(self, name: str) -> list[Any]:
+        return list(self.table[name])
+
+    def origin(self, index: int) -> str:
+        """Where row `index` came from: "FILE row N" (N counting from 0 in that file)."""
+        part = bisect.bisect_right(self.starts, index) - 1
+        return f"{self.names[part]} row {index - self.starts[part]}"
+
+
+def row_name(rows: Any, index: int) -> str:
+    """Row `index` of `rows` for a message: its file and row number when `rows` knows them."""
+    return rows.origin(index) if isinstance(rows, Rows) else f"row {index}"
 
 
 def builder_for(paths: Sequence[str]) -> str:
@@ -57,20 +111,20 @@ def builder_for(paths: Sequence[str]) -> str:
     return builders.pop()
 
 
-def load_rows(dataset: str | None, paths: Sequence[str], split: str, dataset_config: str | None = None):
-    """A `datasets.Dataset` of raw rows (see the module docstring for what `dataset` may be)."""
+def load_rows(
+    dataset: str | None, paths: Sequence[str], split: str, dataset_config: str | None = None
+) -> Rows:
+    """The raw rows of a split (see the module docstring for what `dataset` may be); ValueError
+    naming the file or split when there are none."""
     import datasets
 
     if dataset is not None and dataset.startswith(EMBEDDED_PREFIX):
         from tnlg.data.embedded_tasks import embedded_dataset_files
 
-        return datasets.load_dataset("json", data_files=embedded_dataset_files(dataset, split), split="train")
+        return _load_files("json", None, [Path(f) for f in embedded_dataset_files(dataset, split)])
     if paths:
-        missing = [p for p in paths if not glob.glob(p)]
-        if missing:
-            raise FileNotFoundError(f"no data files match {missing}")
-        builder = dataset or builder_for(paths)
-        return datasets.load_dataset(builder, dataset_config, data_files=list(paths), split="train")
+        files = data_files(paths)
+        return _load_files(dataset or builder_for([str(f) for f in files]), dataset_config, files)
     if dataset is None:
         raise ValueError("no data source: set data.dataset or data.paths")
     local = Path(dataset)
@@ -79,9 +133,96 @@ def load_rows(dataset: str | None, paths: Sequence[str], split: str, dataset_con
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
                 raise ValueError(f"{dataset} has splits {sorted(loaded)}, not {split!r}")
-            return loaded[split]
-        return loaded
-    return datasets.load_dataset(dataset, dataset_config, split=split)
+            loaded = loaded[split]
+    else:
+        if local.is_dir():  # a directory of data files: datasets would read a damaged one as far as it goes
+            for path in sorted(local.rglob("*")):
+                if path.is_file() and compression_of(path) is not None:
+                    check_compressed(path)
+        loaded = datasets.load_dataset(dataset, dataset_config, split=split)
+    name = f"{dataset}:{split}"
+    if len(loaded) == 0:
+        raise ValueError(f"{name} holds no rows: no examples")
+    return Rows(loaded, [(name, len(loaded))])
+
+
+def data_files(paths: Sequence[str]) -> list[Path]:
+    """The files `paths` name, each existing path itself, else its glob matches (see the module
+    docstring); FileNotFoundError naming every path that matches nothing."""
+    files, missing = [], []
+    for pattern in paths:
+        matches = expand_path(pattern)
+        if not matches:
+            missing.append(pattern)
+        files.extend(matches)
+    if missing:
+        raise FileNotFoundError(f"no data files match {missing}")
+    for path in files:
+        if path.is_dir():
+            raise IsADirectoryError(
+                f"{path} is a directory: give its files, or a glob such as {path}/*.jsonl"
+            )
+    return files
+
+
+def _load_files(builder: str, dataset_config: str | None, files: Sequence[Path]) -> Rows:
+    import datasets
+
+    tables = [_load_file(builder, dataset_config, path) for path in files]
+    try:
+        table = tables[0] if len(tables) == 1 else datasets.concatenate_datasets(tables)
+    except ValueError as error:
+        raise ValueError(
+            f"the files {[str(f) for f in files]} do not have the same columns ({error})"
+        ) from error
+    return Rows(table, [(str(path), len(t)) for path, t in zip(files, tables, strict=True)])
+
+
+def _load_file(builder: str, dataset_config: str | None, path: Path) -> Any:
+    """One file's rows, refusing an empty, damaged or unreadable file by name."""
+    import datasets
+
+    if compression_of(path) is not None:
+        if check_compressed(path) == 0:  # a 0-byte compressed file is damaged (DamagedFileError)
+            raise ValueError(f"{path} holds no data once decompressed: no examples")
+    elif path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty (0 bytes): no examples")
+    options = _csv_as_text(path) if builder == "csv" else {}
+    try:
+        # Escaped: datasets globs data_files, and this is an existing file, taken literally.
+        rows = datasets.load_dataset(
+            builder, dataset_config, data_files=[glob.escape(str(path))], split="train", **options
+        )
+    except Exception as error:  # datasets wraps what its builders raise (pyarrow, pandas, json) in many types
+        cause = error.__cause__ or error
+        # No rows: the json builder finds no table at all (StopIteration), and a split of 0 rows cannot
+        # be read back ('Instruction "train" corresponds to no data!').
+        if isinstance(cause, StopIteration) or "corresponds to no data" in str(cause):
+            raise ValueError(f"{path} holds no rows: no examples") from error
+        if builder == "parquet" and _is_arrow_error(cause):
+            raise DamagedFileError(path, f"it cannot be read as parquet ({cause})") from error
+        raise ValueError(
+            f"{path} cannot be read as {builder} data ({type(cause).__name__}: {cause})"
+        ) from error
+    if len(rows) == 0:
+        raise ValueError(f"{path} holds no rows: no examples")
+    return rows
+
+
+def _csv_as_text(path: Path) -> dict[str, Any]:
+    """`load_dataset` options reading every CSV column as text: letting pandas guess the types would
+    turn "007" into 7 and "1e3" into 1000.0."""
+    import datasets
+    import pandas
+
+    columns = pandas.read_csv(path, nrows=0).columns  # the header alone
+    return {"features": datasets.Features({str(c): datasets.Value("string") for c in columns})}
+
+
+def _is_arrow_error(error: BaseException) -> bool:
+    import pyarrow
+
+    return isinstance(error, pyarrow.ArrowException)
 
 
 def encode_rows(
@@ -93,24 +234,39 @@ def encode_rows(
     max_examples: int | None = None,
     where: str = "data",
 ) -> list[dict[str, list[int]]]:
-    """Every row through `encode_example`; a row whose target cannot fit stops the run (naming the
-    row) or, with `on_long_example="skip"`, is dropped and counted."""
-    examples, skipped = [], 0
+    """Every row through `encode_example`. A row that cannot make an example (`BadExampleError`:
+    a null, non-text or empty field, no answer, a target that cannot fit) stops the run naming the
+    row, or with `on_long_example="skip"` is dropped and counted by reason. A missing column or a
+    bad template is never skipped: every row would fail alike."""
+    examples: list[dict[str, list[int]]] = []
+    skipped: Counter[str] = Counter()
     for index, row in enumerate(rows):
         if max_examples is not None and len(examples) >= max_examples:
             break
         try:
             examples.append(encode_example(row, task, tokenizer))
+        except BadExampleError as error:
+            if on_long_example != "skip":
+                raise BadExampleError(
+                    f"{where}: {row_name(rows, index)}: {error} (data.on_long_example: skip drops such rows)",
+                    error.reason,
+                ) from error
+            if sum(skipped.values()) < MAX_LOGGED_SKIPS:
+                logger.warning("%s: skipping %s: %s", where, row_name(rows, index), error)
+            skipped[error.reason] += 1
         except (KeyError, ValueError) as error:
-            if on_long_example == "skip" and isinstance(error, ValueError):
-                skipped += 1
-                continue
-            raise ValueError(f"{where}: row {index}: {error}") from error
+            message = error.args[0] if isinstance(error, KeyError) and error.args else error
+            raise ValueError(f"{where}: {row_name(rows, index)}: {message}") from error
     if skipped:
-        logger.warning("%s: %d examples skipped (their target does not fit task.max_length)", where, skipped)
+        logger.warning("%s: %d examples skipped (%s)", where, sum(skipped.values()), _reasons(skipped))
     if not examples:
-        raise ValueError(f"{where}: no examples")
+        detail = f": all {sum(skipped.values())} rows were skipped ({_reasons(skipped)})" if skipped else ""
+        raise ValueError(f"{where}: no examples{detail}")
     return examples
+
+
+def _reasons(counts: Counter[str]) -> str:
+    return ", ".join(f"{reason}: {count}" for reason, count in counts.most_common())
 
 
 def pack_examples(examples: Sequence[Mapping[str, list[int]]], max_length: int) -> list[dict[str, list[int]]]:

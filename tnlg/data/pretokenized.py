@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from .files import DamagedFileError
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -43,15 +45,37 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def write_pretokenized(
     texts: Iterable[str], tokenizer: PreTrainedTokenizerBase, prefix: str | Path, progress=None
 ) -> dict[str, Any]:
-    """Tokenize `texts` into `prefix`.bin/.idx/.json (written to temporary names, renamed at the end)."""
+    """Tokenize `texts` into `prefix`.bin/.idx/.json (written to temporary names, renamed at the end).
+
+    Nothing is left behind when reading the texts fails (a damaged input file) or there are none:
+    an earlier corpus at `prefix` stays as it was."""
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no eos_token_id: documents cannot be separated")
+    staged = {suffix: prefix.with_name(prefix.name + suffix + ".tmp") for suffix in (".bin", ".idx", ".json")}
+    try:
+        meta = _write_staged(texts, tokenizer, staged, progress)
+    except BaseException:
+        for path in staged.values():
+            path.unlink(missing_ok=True)
+        raise
+    if meta["documents"] == 0:
+        for path in staged.values():
+            path.unlink()
+        raise ValueError(f"no documents to write to {prefix}: the input holds no text")
+    for suffix, path in staged.items():
+        os.replace(path, prefix.with_name(prefix.name + suffix))
+    return meta
+
+
+def _write_staged(
+    texts: Iterable[str], tokenizer: PreTrainedTokenizerBase, staged: dict[str, Path], progress
+) -> dict[str, Any]:
+    eos = tokenizer.eos_token_id
     dtype = token_dtype(len(tokenizer))
     offsets = [0]
-    staged = {suffix: prefix.with_name(prefix.name + suffix + ".tmp") for suffix in (".bin", ".idx", ".json")}
     with open(staged[".bin"], "wb") as tokens_file:
         batch: list[str] = []
 
@@ -81,8 +105,6 @@ def write_pretokenized(
         "tokenizer": getattr(tokenizer, "name_or_path", "") or "",
     }
     staged[".json"].write_text(json.dumps(meta, indent=2))
-    for suffix, path in staged.items():
-        os.replace(path, prefix.with_name(prefix.name + suffix))
     return meta
 
 
@@ -94,16 +116,16 @@ class PretokenizedCorpus:
         meta_path = self.prefix.with_name(self.prefix.name + ".json")
         if not meta_path.is_file():
             raise FileNotFoundError(f"no pre-tokenized corpus at {self.prefix} ({meta_path} is missing)")
-        self.meta = json.loads(meta_path.read_text())
-        if self.meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(
-                f"{meta_path}: format version {self.meta.get('format_version')}, expected {FORMAT_VERSION}"
-            )
+        self.meta = read_meta(meta_path)
         bin_path = self.prefix.with_name(self.prefix.name + ".bin")
         expected = self.meta["tokens"] * np.dtype(self.meta["dtype"]).itemsize
-        if not bin_path.is_file() or bin_path.stat().st_size != expected:
-            raise ValueError(
-                f"{bin_path} should hold {expected} bytes ({self.meta['tokens']} tokens); it is truncated or missing"
+        if not bin_path.is_file():
+            raise FileNotFoundError(f"{bin_path} is missing ({meta_path} describes it): truncated or missing")
+        if bin_path.stat().st_size != expected:
+            raise DamagedFileError(
+                bin_path,
+                f"it should hold {expected} bytes ({self.meta['tokens']} tokens), it holds "
+                f"{bin_path.stat().st_size}: truncated or missing data",
             )
         self.tokens = np.memmap(bin_path, dtype=np.dtype(self.meta["dtype"]), mode="r")
         self.seq_len = seq_len
@@ -119,6 +141,27 @@ class PretokenizedCorpus:
     def __getitem__(self, index: int) -> np.ndarray:
         start = index * self.seq_len
         return np.asarray(self.tokens[start : start + self.seq_len], dtype=np.int64)
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """A corpus's metadata, checked: DamagedFileError naming the file when it is not what
+    `write_pretokenized` writes."""
+    try:
+        meta = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DamagedFileError(path, f"it is not valid JSON ({error})") from error
+    if not isinstance(meta, dict):
+        raise DamagedFileError(path, f"it holds a JSON {type(meta).__name__}, not an object")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format version {meta.get('format_version')}, expected {FORMAT_VERSION}")
+    missing = [
+        key for key in ("dtype", "tokens", "documents", "vocab_size", "eos_token_id") if key not in meta
+    ]
+    if missing:
+        raise DamagedFileError(path, f"it lacks {missing}")
+    if meta["dtype"] not in ("uint16", "uint32") or not isinstance(meta["tokens"], int) or meta["tokens"] < 0:
+        raise DamagedFileError(path, f"dtype {meta['dtype']!r} / tokens {meta['tokens']!r} are not valid")
+    return meta
 
 
 class PretokenizedStream(torch.utils.data.IterableDataset):

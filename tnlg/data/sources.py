@@ -16,18 +16,19 @@ file and skips to it. Each epoch visits the files in an order shuffled by (seed,
 
 Bad records (malformed JSON, a missing or non-string text field, empty text, bytes that are not
 UTF-8) are counted per source and reason, and logged with file and line; `on_bad_record="fatal"`
-raises instead. An unreadable file is always fatal.
+raises instead. An unreadable or damaged file (a truncated or corrupt `.zst` / `.gz`, a parquet file
+that is not one) is always fatal: see [Note: damaged files] in files.py. Paths that exist are taken
+literally, globs only when they do not ([Note: literal paths first]).
 """
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import gzip
-import io
 import json
 import logging
 import random
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import zstandard
+
+from .files import DamagedFileError, expand_path, read_lines
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +85,15 @@ class SourceConfig:
             return [DatasetSplit(self.dataset, self.dataset_config, self.split)]
         found: list[Path | DatasetSplit] = []
         for pattern in self.paths:
-            matches = sorted(glob.glob(str(pattern), recursive=True))
+            matches = expand_path(pattern)
             if not matches:
                 raise FileNotFoundError(f"source {self.name!r}: {pattern} matches no file")
-            found.extend(Path(m) for m in matches)
+            found.extend(matches)
         for path in found:
+            if path.is_dir():
+                raise ValueError(
+                    f"source {self.name!r}: {path} is a directory: give its files, or a glob such as {path}/*.jsonl.zst"
+                )
             if not path.name.endswith(FORMATS):
                 raise ValueError(f"source {self.name!r}: {path} is not one of {list(FORMATS)}")
         return found
@@ -193,9 +200,11 @@ class DocumentReader:
                 self.file_index += 1
                 self.record = 0
             if whole_epoch and not produced:
+                # Endless reading would otherwise spin over an epoch that can never give a document.
                 raise ValueError(
-                    f"source {self.source.name!r} gives rank {self.rank} of {self.world_size} no document in a whole "
-                    f"epoch ({self.seen} records, skipped: {dict(self.stats.skipped)})"
+                    f"source {self.source.name!r} ({_some(order)}) gives rank {self.rank} of "
+                    f"{self.world_size} no document in a whole epoch ({self.seen} records, skipped: "
+                    f"{dict(self.stats.skipped)}, other Pile subsets: {self.stats.filtered})"
                 )
             self.epoch += 1
             self.file_index = 0
@@ -207,7 +216,7 @@ class DocumentReader:
         elif path.name.endswith(".parquet"):
             records = _parquet_records(path)
         else:
-            records = _json_lines(path)
+            records = read_lines(path)
         try:
             for index, raw in enumerate(records):
                 if index < self.record:
@@ -266,25 +275,15 @@ class DocumentReader:
         return None
 
 
-def _json_lines(path: Path) -> Iterator[bytes]:
-    """The raw lines of a (possibly compressed) JSON-lines file, without their newline."""
-    with open(path, "rb") as raw, _decompressed(path, raw) as stream:
-        for line in stream:
-            yield line.rstrip(b"\r\n")
-
-
-def _decompressed(path: Path, raw: io.BufferedReader) -> contextlib.AbstractContextManager:
-    if path.name.endswith(".zst"):
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
-    if path.name.endswith(".gz"):
-        return gzip.GzipFile(fileobj=raw)
-    return contextlib.nullcontext(raw)
-
-
 def _parquet_records(path: Path) -> Iterator[dict]:
+    import pyarrow
     from datasets import load_dataset
 
-    yield from load_dataset("parquet", data_files=str(path), split="train", streaming=True)
+    try:
+        # Escaped: datasets globs data_files, and the path is an existing file, taken literally.
+        yield from load_dataset("parquet", data_files=glob.escape(str(path)), split="train", streaming=True)
+    except pyarrow.ArrowException as error:
+        raise DamagedFileError(path, f"it cannot be read as parquet ({error})") from error
 
 
 def _dataset_records(split: DatasetSplit) -> Iterator[dict]:
@@ -295,4 +294,16 @@ def _dataset_records(split: DatasetSplit) -> Iterator[dict]:
         rows = load_dataset(split.name, split.config, split=split.split, streaming=True)
     except Exception as error:  # datasets raises many types (offline, not found, bad config, bad split)
         raise OSError(f"the dataset cannot be opened ({type(error).__name__}: {error})") from error
-    yield from rows
+    try:
+        yield from rows
+    except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as error:
+        # datasets decompresses the dataset's files itself: a damaged one surfaces as one of these.
+        raise DamagedFileError(
+            split, f"a compressed file in it cannot be read ({type(error).__name__}: {error})"
+        ) from error
+
+
+def _some(files: list[Path | DatasetSplit], shown: int = 3) -> str:
+    """The first few of a list of files, for a message."""
+    names = ", ".join(map(str, files[:shown]))
+    return names if len(files) <= shown else f"{names} and {len(files) - shown} more"

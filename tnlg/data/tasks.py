@@ -13,6 +13,11 @@ When the prompt and target exceed `max_length`, the long field (`document` or `c
 from `truncation_side`; the target never is (an example whose target and fixed prompt text alone
 do not fit is refused by name). Labels are -100 on every prompt token, so only the target (and the
 end-of-text token that closes it) carries loss.
+
+Every field is text: a row whose field is null, not a string, or empty (only whitespace) cannot
+make an example and raises `BadExampleError` (never the text "None" or "5" in a prompt); so does a
+SQuAD row without answer text and an example whose target cannot fit. The optional context of
+generative QA may be null or empty (no context block).
 """
 
 from __future__ import annotations
@@ -25,6 +30,18 @@ from typing import Any
 import torch
 
 IGNORE_INDEX = -100
+
+
+class BadExampleError(ValueError):
+    """A row that cannot make an example (the data's fault, not the config's): `reason` counts it."""
+
+    def __init__(self, message: str, reason: str):
+        self.reason = reason
+        super().__init__(message)
+
+    def __reduce__(self):  # the default would rebuild it from the message alone
+        return type(self), (self.args[0], self.reason)
+
 
 TASKS: dict[str, dict[str, Any]] = {
     "summarization": {
@@ -101,18 +118,40 @@ def row_fields(row: Mapping[str, Any], task: TaskFormat) -> dict[str, Any]:
             raise KeyError(
                 f"the row has no column {column!r} (the {task.kind} field {name!r}); columns: {sorted(row)}"
             )
-        values[name] = row[column]
+        value = row[column]
+        if name == "answer" and task.kind == "extractive_qa" and isinstance(value, Mapping):
+            values[name] = value  # SQuAD's {"text": [...], "answer_start": [...]}: checked below
+        else:
+            values[name] = _text(value, f"{column!r} (the {task.kind} field {name!r})")
     for name in TASKS[task.kind].get("optional", ()):
         value = row.get(task.column(name))
-        values[name] = f"{value}\n\n" if value else ""  # generative QA: the context block only when given
+        if value is not None and not isinstance(value, str):
+            _text(value, f"{task.column(name)!r} (the optional {name!r})")  # raises: not text
+        # generative QA: the context block only when there is a context
+        values[name] = f"{value}\n\n" if value and value.strip() else ""
     references = [values["summary" if task.kind == "summarization" else "answer"]]
-    if task.kind == "extractive_qa" and isinstance(values["answer"], Mapping):  # SQuAD: {"text": [...], ...}
+    if task.kind == "extractive_qa" and isinstance(values["answer"], Mapping):
+        column = task.column("answer")
         references = list(values["answer"]["text"])
         if not references:
-            raise ValueError("a SQuAD row with no answer text (unanswerable questions are not supported)")
+            raise BadExampleError(
+                f"{column!r} has no answer text (unanswerable questions are not supported)", "no answer"
+            )
+        references = [_text(r, f"an answer text in {column!r}") for r in references]
         values["answer"] = references[0]
-    values["references"] = [str(r) for r in references]
+    values["references"] = references
     return values
+
+
+def _text(value: Any, what: str) -> str:
+    """`value` when it is text with something in it, else BadExampleError naming `what`."""
+    if value is None:
+        raise BadExampleError(f"{what} is null", "null field")
+    if not isinstance(value, str):
+        raise BadExampleError(f"{what} holds {type(value).__name__} {value!r:.60}, not text", "not text")
+    if not value.strip():
+        raise BadExampleError(f"{what} is empty", "empty field")
+    return value
 
 
 def encode_example(row: Mapping[str, Any], task: TaskFormat, tokenizer) -> dict[str, list[int]]:
@@ -140,9 +179,10 @@ def _encode(values: dict[str, Any], task: TaskFormat, tokenizer) -> dict[str, li
         target = [*target, tokenizer.eos_token_id]
     budget = task.max_length - len(prefix) - len(suffix) - len(target)
     if budget < 0:
-        raise ValueError(
+        raise BadExampleError(
             f"the target ({len(target)} tokens) and the prompt's fixed text ({len(prefix) + len(suffix)}) exceed "
-            f"max_length {task.max_length}; the target is never truncated: raise max_length or drop the example"
+            f"max_length {task.max_length}; the target is never truncated: raise max_length or drop the example",
+            "target does not fit max_length",
         )
     if len(long_ids) > budget:
         long_ids = long_ids[len(long_ids) - budget :] if task.truncation_side == "left" else long_ids[:budget]
