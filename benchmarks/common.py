@@ -6,6 +6,7 @@ import gc
 import statistics
 import time
 import warnings
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -65,3 +66,27 @@ def median_time(step, repeats: int, warmup: int = 2) -> float:
         step()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def interleaved_medians(
+    steps: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 2
+) -> dict[str, float]:
+    """Median seconds of each step, timed in rounds that run every step once.
+
+    Timing the variants one after another lets a change in machine load (other processes on a
+    shared host, clock frequency) land on one variant only; in rounds it lands on all alike. The
+    order rotates each round so that no step always follows the same one (warm caches, a
+    predecessor's dirty lines still being written back).
+    """
+    names = list(steps)
+    for _ in range(warmup):
+        for name in names:
+            steps[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
