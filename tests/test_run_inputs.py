@@ -214,3 +214,43 @@ def test_the_script_prints_an_input_error_once_as_one_line(cache, tmp_path):
                       "--train.output_dir"]  # fmt: skip
     # The launcher reports the failed process with its own traceback; none comes from tnlg's code.
     assert "FileExistsError" not in result.stderr and "tnlg/train.py" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("json_config", "overrides", "message"),
+    [
+        ({"zero_optimization": {"stage": 3}}, ["--zero.stage", "1"], "zero.stage 1 conflicts with zero_optimization.stage 3"),
+        ({"zero_optimization": {"stgae": 3}}, [], "zero_optimization.stgae (did you mean 'stage'?)"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, [], "has a 'optimizer' section, but a run builds"),
+        ({"scheduler": {"type": "WarmupLR"}}, [], "has a 'scheduler' section"),
+        ({"bf16": {"enabled": True}}, ["--train.mixed_precision", "fp16"], "train.mixed_precision fp16 conflicts"),
+    ],
+    ids=["override-conflict", "unknown-key", "optimizer-section", "scheduler-section", "precision-conflict"],
+)  # fmt: skip
+def test_a_deepspeed_json_in_a_run_is_applied_whole_or_refused(tmp_path, json_config, overrides, message):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(json_config))
+    with pytest.raises(ValueError) as raised:
+        config = load_run_config(DEBUG, ["--zero.deepspeed", str(path), *overrides])
+        config.zero.engine_settings(config.train.mixed_precision)
+    assert message in str(raised.value)
+
+
+def test_a_deepspeed_json_fills_what_the_run_leaves_unset(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e5}}))
+    config = load_run_config(DEBUG, ["--zero.deepspeed", str(path), "--zero.stage", "3"])
+    zero = config.zero.to_zero_config("no")
+    # the file's stage and bucket, the run config's clipping (debug.yaml), nothing silently dropped
+    assert (zero.stage, zero.reduce_bucket_size, zero.gradient_clipping) == (3, 500_000, 1.0)
+
+
+def test_a_deepspeed_json_accumulation_must_agree_with_the_run(cache, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 2}))
+    (refused,) = _run(cache, tmp_path / "a", "--zero.deepspeed", str(path))
+    assert "sets 2 steps but the Accelerator was given gradient_accumulation_steps=1" in refused["error"]
+    (agreed,) = _run(
+        cache, tmp_path / "b", "--zero.deepspeed", str(path), "--train.gradient_accumulation_steps", "2"
+    )
+    assert len(agreed["losses"]) == 4

@@ -45,11 +45,10 @@ def exit_on_input_error(main: Callable[..., T]) -> Callable[..., T]:
             if rank != "0":
                 time.sleep(OTHER_RANKS_GRACE_SECONDS)
             message = " ".join(str(error).split()) or type(error).__name__
-            print(
-                f"error: {message}" if rank == "0" else f"error (rank {rank}): {message}",
-                file=sys.stderr,
-                flush=True,
-            )
+            prefix = "error" if rank == "0" else f"error (rank {rank})"
+            # The script's one line to its user (library code logs; this is the scripts' entry point).
+            sys.stderr.write(f"{prefix}: {message}\n")
+            sys.stderr.flush()
             sys.exit(2)
 
     return guarded

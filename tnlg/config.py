@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from tnlg.sharding import ZeroConfig
+from tnlg.sharding import DeepSpeedConfig, ZeroConfig, load_deepspeed
 
 T = TypeVar("T")
 
@@ -188,24 +188,38 @@ class _ZeroSectionBase:
 
     def to_zero_config(self, mixed_precision: str) -> ZeroConfig:
         """The engine's config for a run at `mixed_precision` (train.mixed_precision)."""
+        return self.engine_settings(mixed_precision).zero
+
+    def engine_settings(self, mixed_precision: str) -> DeepSpeedConfig:
+        """What `ZeroAccelerator(zero_config=...)` takes: the ZeroConfig and, with `deepspeed`, the JSON's
+        training keys (its gradient accumulation and batch sizes, which the accelerator checks against
+        train.gradient_accumulation_steps and the world size)."""
         explicit = self.explicit()
         if self.deepspeed is None:
             try:
-                return ZeroConfig(
+                zero = ZeroConfig(
                     **{"stage": RUN_DEFAULT_STAGE, **explicit, "mixed_precision": mixed_precision}
                 )
             except ValueError as error:
                 raise ValueError(f"zero: {error}") from error
-        zero = ZeroConfig.from_deepspeed(
-            self.deepspeed, overrides=explicit, override_names={k: f"zero.{k}" for k in explicit},
-            mixed_precision=mixed_precision,
-        )  # fmt: skip
-        if mixed_precision not in ("no", zero.mixed_precision):
+            return DeepSpeedConfig(zero, source="the run config's zero section")
+        settings = load_deepspeed(self.deepspeed, mixed_precision=mixed_precision).with_overrides(
+            explicit, {name: f"zero.{name}" for name in explicit}
+        )
+        if mixed_precision not in ("no", settings.zero.mixed_precision):
             raise ValueError(
                 f"train.mixed_precision {mixed_precision} conflicts with {self.deepspeed}, which enables "
-                f"{zero.mixed_precision}: set one of them to agree with the other"
+                f"{settings.zero.mixed_precision}: set one of them to agree with the other"
             )
-        return zero
+        # A run builds its AdamW and warmup-cosine schedule from the optimizer section; a second one from
+        # the JSON would be ignored or would fight it.
+        for section in ("optimizer", "scheduler"):
+            if getattr(settings.training, section) is not None:
+                raise ValueError(
+                    f"{self.deepspeed} has a {section!r} section, but a run builds its optimizer and schedule "
+                    f"from the run config's optimizer section: remove it from the JSON"
+                )
+        return settings
 
 
 ZeroSection = dataclasses.make_dataclass(

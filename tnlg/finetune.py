@@ -52,6 +52,8 @@ def finetune(config: FinetuneConfig, resume: str | None = None) -> dict[str, Any
     def batches(tokenizer, rank: int, world: int) -> FinetuneBatches:
         rows = load_rows(data.dataset, data.paths, data.split, data.dataset_config)
         logger.info("training rows: %d", len(rows))
+        if held_out is not None:  # a bad validation row stops the run now, not at its first evaluation
+            validation_examples(tokenizer, world, 0)
         return FinetuneBatches(
             tokenizer_examples(tokenizer, "train", rows, data.max_examples),
             micro_batch_size=config.train.micro_batch_size,
@@ -63,9 +65,9 @@ def finetune(config: FinetuneConfig, resume: str | None = None) -> dict[str, Any
             max_length=task.max_length,
         )
 
-    def validation_examples(tokenizer, accelerator, limit: int):
+    def validation_examples(tokenizer, world: int, limit: int):
         """The first `limit` encoded validation examples; encoded once, for both evaluations."""
-        periodic = config.train.eval_batches * config.train.micro_batch_size * accelerator.num_processes
+        periodic = config.train.eval_batches * config.train.micro_batch_size * world
         encoded = tokenizer_examples(
             tokenizer, "validation", held_out, max(periodic, config.evaluation.max_examples)
         )
@@ -74,12 +76,12 @@ def finetune(config: FinetuneConfig, resume: str | None = None) -> dict[str, Any
     def evaluate(model, tokenizer, accelerator) -> dict[str, float]:
         # `train.eval_batches` batches per rank, as in pretraining
         limit = config.train.eval_batches * config.train.micro_batch_size * accelerator.num_processes
-        examples = validation_examples(tokenizer, accelerator, limit)
+        examples = validation_examples(tokenizer, accelerator.num_processes, limit)
         return target_loss(model, examples, config.train.micro_batch_size, pad_id(tokenizer))
 
     def final_evaluation(model, tokenizer, accelerator) -> dict[str, Any]:
         # the references' loss (teacher forcing) and the generated predictions' scores
-        examples = validation_examples(tokenizer, accelerator, config.evaluation.max_examples)
+        examples = validation_examples(tokenizer, accelerator.num_processes, config.evaluation.max_examples)
         loss = target_loss(model, examples, config.evaluation.batch_size, pad_id(tokenizer))
         return loss | task_scores(
             model,

@@ -52,8 +52,9 @@ class FinetuneDataSection:
 
     `packing` puts several examples in each `task.max_length` row, each attending only to itself
     (positions restart per example); otherwise batches are padded to their longest example.
-    `on_long_example`: "stop" refuses an example whose target does not fit, naming it; "skip" drops
-    it with a count in the log.
+    `on_long_example`: "stop" refuses the first row that cannot make an example (its target does not
+    fit; a field that is null, not text or empty; a SQuAD row without answers), naming its file and
+    row; "skip" drops such rows, counted by reason in the log.
     """
 
     dataset: str | None = None

@@ -294,7 +294,7 @@ def run_training(config: Any, job: TrainingJob, resume: str | None = None) -> di
     `RunConfig` (and `data.tokenizer`); `job` says what is trained on and how it is evaluated."""
     train = config.train
     check_init_from(config.model.init_from)
-    zero = config.zero.to_zero_config(train.mixed_precision)
+    zero = config.zero.engine_settings(train.mixed_precision)
     output = Path(train.output_dir)
     previous_run = check_output_directory(output, resume, train.overwrite)
     accelerator = ZeroAccelerator(
@@ -454,4 +454,6 @@ def evaluate_perplexity(model, config: RunConfig, tokenizer, accelerator) -> flo
         total += model(**batch).loss
         count += 1
     model.train()
+    if count == 0:  # every rank reads the same validation sources, so all of them stop here together
+        raise ValueError("the validation sources yielded no batch to evaluate (train.eval_batches > 0)")
     return math.exp(accelerator.reduce(total / count, "mean").item())
