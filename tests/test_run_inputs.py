@@ -135,7 +135,7 @@ def test_a_missing_rank_file_of_a_two_process_checkpoint_is_named(cache, tmp_pat
         (["--train.micro_batch_size", "0"], "train.micro_batch_size must be >= 1"),
         (["--optimizer.betas", "[0.9]"], "optimizer.betas must be two numbers in [0, 1)"),
         (["--optimizer.betas", "[0.9, 1.5]"], "optimizer.betas must be two numbers in [0, 1)"),
-        (["--optimizer.lr", "-1"], "optimizer.lr must be > 0"),
+        (["--optimizer.lr", "-1"], "optimizer.lr must be >= 0"),
         (["--optimizer.min_lr_ratio", "2"], "optimizer.min_lr_ratio must be in [0, 1]"),
         (["--train.mixed_precision", "bf17"], "train.mixed_precision must be one of"),
         (["--data.seq_len", "0"], "data.seq_len must be >= 1"),

@@ -89,7 +89,7 @@ class OptimizerSection:
     min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
-        require("optimizer.lr", self.lr, self.lr > 0, "> 0")
+        require("optimizer.lr", self.lr, self.lr >= 0, ">= 0 (0 freezes the weights)")
         require("optimizer.weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0")
         require(
             "optimizer.betas",
