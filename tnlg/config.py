@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import yaml
 
 from tnlg.sharding import DeepSpeedConfig, ZeroConfig, load_deepspeed
+from tnlg.sharding.config import MIXED_PRECISIONS
 
 T = TypeVar("T")
 
@@ -134,7 +135,7 @@ class TrainSection:
         for name in ("eval_every", "save_every"):
             value = getattr(self, name)
             require(f"train.{name}", value, value >= 0, ">= 0 (0: never)")
-        choose("train.mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
+        choose("train.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         choose("train.on_nonfinite_loss", self.on_nonfinite_loss, ("stop", "skip"))
         if self.peak_flops is not None:
             require("train.peak_flops", self.peak_flops, self.peak_flops > 0, "> 0")
