@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from tnlg import TNLGConfig, TNLGForCausalLM
-from tnlg.metrics import peak_flops_per_device
 from tnlg.modeling import fused_ops
+from tnlg.run.metrics import peak_flops_per_device
 from tnlg.sharding import ZeroConfig, initialize
 from tnlg.sharding.kernels.cuda_adam import cuda_extension
 from tnlg.sharding.kernels.fused_adam import AdamHyper, adam_reference, adam_triton, fused_adam

@@ -21,9 +21,9 @@ import math
 import torch
 
 from benchmarks.common import live_tensor_bytes
-from tests.distributed import run_distributed
 from tnlg import TNLGConfig, TNLGForCausalLM
 from tnlg.sharding import ZeroConfig, initialize
+from tnlg.tools.spawn import run_distributed
 
 WIDTHS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 SETTINGS = {

@@ -59,8 +59,8 @@ def install_counters() -> None:
 install_counters()
 
 from benchmarks.common import batch, bench_model  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
 from tnlg.sharding import ZeroConfig, initialize  # noqa: E402
+from tnlg.tools.spawn import run_distributed  # noqa: E402
 
 
 def _step_volume(rank: int, world_size: int, stage: int | None) -> dict:

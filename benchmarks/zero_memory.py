@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from benchmarks.common import batch, bench_model, live_tensor_bytes
-from tests.distributed import run_distributed
-from tnlg.memory import model_state_estimate
 from tnlg.sharding import ZeroConfig, initialize
+from tnlg.tools.memory import model_state_estimate
+from tnlg.tools.spawn import run_distributed
 
 FORMULAS = {
     1: lambda p, n: 4 * p + 12 * p / n,
@@ -56,7 +56,7 @@ def main() -> None:
             )
     print(
         "| stage | Nd | Ψ | measured bytes (live tensors) | ZeRO formula | measured / formula | "
-        "engine's own count | tnlg.memory estimate |"
+        "engine's own count | tnlg.tools.memory estimate |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for stage, world_size, psi, held, expected, engine_total in rows:

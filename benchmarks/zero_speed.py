@@ -21,8 +21,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import batch, bench_model, median_time
-from tests.distributed import run_distributed
 from tnlg.sharding import ZeroConfig, initialize
+from tnlg.tools.spawn import run_distributed
 
 WARMUP, REPEATS = 3, 15
 

@@ -9,7 +9,7 @@ Transformers behaviour).
 safetensors files carry no checksum: a flipped bit inside a tensor loads without complaint. Every
 writer of TNLG model files (`save_pretrained`, the engine's consolidation) records the sha256 and
 size of each weight file in `tnlg_checksums.json` next to them, and every reader (`from_pretrained`,
-the engine's sharded loader, `tnlg.convert.load_tensors`) checks the files it reads against that
+the engine's sharded loader, `tnlg.tools.convert.load_tensors`) checks the files it reads against that
 record when the directory has one. A file of its own keeps the weights and the index exactly as
 plain Transformers writes and reads them; a directory without it (a plain Transformers save) loads
 unverified. A weight file the record does not list is refused: the files were not all written by

@@ -75,7 +75,7 @@ class TNLGAttention(nn.Module):
     """Causal self-attention with one fused QKV projection whose output rows are `[q | k | v]`.
 
     The `[q | k | v]` order is GPT-2's; Megatron interleaves per head (`[nh, 3, hd]`), and
-    `tnlg.convert` reorders its rows on the way in.
+    `tnlg.tools.convert` reorders its rows on the way in.
     """
 
     def __init__(self, config: TNLGConfig, layer_idx: int):

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from tnlg.checkpoint import find_engine_checkpoint
-from tnlg.cli import exit_on_input_error
-from tnlg.convert import copy_tokenizer_files, from_gpt2, from_megatron
+from tnlg.run.checkpoint import find_engine_checkpoint
+from tnlg.run.cli import exit_on_input_error
 from tnlg.sharding.consolidate import consolidate
+from tnlg.tools.convert import copy_tokenizer_files, from_gpt2, from_megatron
 
 logger = logging.getLogger("convert_checkpoint")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

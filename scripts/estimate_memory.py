@@ -1,4 +1,4 @@
-"""Estimate per-rank memory for ZeRO training of TNLG presets (the logic is in tnlg/memory.py).
+"""Estimate per-rank memory for ZeRO training of TNLG presets (the logic is in tnlg/tools/memory.py).
 
 python scripts/estimate_memory.py                               # tnlg-17b and mt-nlg-530b
 python scripts/estimate_memory.py --preset tnlg-17b --offload --device-memory 80GB
@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import argparse
 
-from tnlg.cli import exit_on_input_error
-from tnlg.memory import (
+from tnlg.modeling import TNLGConfig
+from tnlg.run.cli import exit_on_input_error
+from tnlg.sharding.config import MIXED_PRECISIONS
+from tnlg.tools.memory import (
     OPTIMIZER_STATE_BYTES,
     estimate_memory,
     format_table,
     parse_bytes,
     smallest_world_size,
 )
-from tnlg.modeling import TNLGConfig
-from tnlg.sharding.config import MIXED_PRECISIONS
 
 DEFAULT_PRESETS = ["tnlg-17b", "mt-nlg-530b"]
 

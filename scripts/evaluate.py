@@ -25,8 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tnlg.cli import configure_logging, exit_on_input_error
-from tnlg.evaluation_suite import (
+from tnlg.eval.suite import (
     evaluate_lambada,
     evaluate_perplexity,
     evaluate_task,
@@ -35,8 +34,9 @@ from tnlg.evaluation_suite import (
     results_table,
     save_results,
 )
-from tnlg.finetune_config import load_finetune_config
-from tnlg.ranks import rank_and_world
+from tnlg.inference.ranks import rank_and_world
+from tnlg.run.cli import configure_logging, exit_on_input_error
+from tnlg.run.finetune_config import load_finetune_config
 
 logger = logging.getLogger("evaluate")
 

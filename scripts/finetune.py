@@ -6,16 +6,16 @@
 
 The configs start from the embedded default pretraining run's model (run scripts/pretrain.py
 first, or set --model.init_from to any TNLG checkpoint directory). Any `--section.key value`
-overrides the config; see tnlg/finetune_config.py for every key.
+overrides the config; see tnlg/run/finetune_config.py for every key.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tnlg.cli import exit_on_input_error, run_arguments
-from tnlg.finetune import finetune
-from tnlg.finetune_config import load_finetune_config
+from tnlg.run.cli import exit_on_input_error, run_arguments
+from tnlg.run.finetune import finetune
+from tnlg.run.finetune_config import load_finetune_config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "finetune" / "summarization.yaml"
 

@@ -19,13 +19,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tnlg.cli import exit_on_input_error
-from tnlg.distributed_generation import (
+from tnlg.inference.distributed import (
     generate_on_ranks,
     init_process_group_from_environment,
     load_sharded_model,
 )
-from tnlg.generation import GenerationSettings, generate_texts, load_model_and_tokenizer
+from tnlg.inference.generation import GenerationSettings, generate_texts, load_model_and_tokenizer
+from tnlg.run.cli import exit_on_input_error
 from tnlg.sharding import ZeroConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -16,11 +16,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from tnlg.cli import exit_on_input_error
 from tnlg.data.corpus import embedded_corpus
 from tnlg.data.pretokenized import write_pretokenized
 from tnlg.data.sources import DocumentReader, SourceConfig
 from tnlg.data.tokenizer import load_tokenizer
+from tnlg.run.cli import exit_on_input_error
 
 logger = logging.getLogger("prepare_data")
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tnlg.cli import exit_on_input_error, run_arguments
-from tnlg.config import load_run_config
-from tnlg.train import pretrain
+from tnlg.run.cli import exit_on_input_error, run_arguments
+from tnlg.run.config import load_run_config
+from tnlg.run.pretrain import pretrain
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "pretrain" / "debug.yaml"
 

@@ -14,10 +14,10 @@ import itertools
 import logging
 from pathlib import Path
 
-from tnlg.cli import exit_on_input_error
 from tnlg.data.corpus import embedded_corpus
 from tnlg.data.sources import DocumentReader, SourceConfig
 from tnlg.data.tokenizer import train_byte_level_bpe
+from tnlg.run.cli import exit_on_input_error
 
 logger = logging.getLogger("train_tokenizer")
 

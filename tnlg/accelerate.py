@@ -48,7 +48,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
-from tnlg.checkpoint import restore_rng, rng_state, write_json
+from tnlg.run.checkpoint import restore_rng, rng_state, write_json
 from tnlg.sharding import DeepSpeedConfig, ZeroConfig, ZeroEngine, initialize
 from tnlg.sharding.deepspeed import engine_settings
 
@@ -203,7 +203,6 @@ class ZeroAccelerator(Accelerator):
             )
             self.zero_settings = self._take_accumulation(self.zero_settings, accumulation)
         self.engines: list[ZeroEngine] = []
-        self.init_seed = 0  # seeds the initialization of a meta-device model (see tnlg.sharding.init)
 
     def _take_accumulation(self, settings: DeepSpeedConfig, given: int | None) -> DeepSpeedConfig:
         """The Accelerator accumulates (see the module docs): it adopts the steps the config sets or
@@ -247,16 +246,7 @@ class ZeroAccelerator(Accelerator):
                 f"ZeroAccelerator.prepare shards one model with its optimizer: got {len(models)} models and "
                 f"{len(optimizers)} optimizers"
             )
-        model, optimizer = args[models[0]], args[optimizers[0]]
-        if not any(p.is_meta for p in model.parameters()):
-            model = model.to(self.device)
-        engine = initialize(model, optimizer, self.zero_settings, init_seed=self.init_seed)
-        self.engines.append(engine)
-        self._models.append(engine)
-        wrapped_optimizer = AcceleratedEngineOptimizer(
-            EngineOptimizer(engine), device_placement=False, scaler=None
-        )
-        self._optimizers.append(wrapped_optimizer)
+        engine, wrapped_optimizer = self.prepare_engine(args[models[0]], args[optimizers[0]])
         prepared: list[Any] = list(args)
         prepared[models[0]], prepared[optimizers[0]] = engine, wrapped_optimizer
         rest = [i for i in range(len(args)) if i not in (models[0], optimizers[0])]
@@ -266,6 +256,38 @@ class ZeroAccelerator(Accelerator):
             for i, obj in zip(rest, others, strict=True):
                 prepared[i] = obj
         return tuple(prepared) if len(prepared) > 1 else prepared[0]
+
+    def prepare_engine(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        init_seed: int = 0,
+        pretrained: str | Path | None = None,
+    ) -> tuple[ZeroEngine, AcceleratedOptimizer]:
+        """`prepare(model, optimizer)` with the engine's own choices spelled out: a meta-device `model` is
+        materialized shard by shard from `pretrained` (a Transformers checkpoint directory; each rank
+        reads only its slices) or else from the seeded initialization `init_seed` (see
+        tnlg.sharding.initialize). Returns the engine (the prepared model) and its optimizer."""
+        if self.zero_config is None:
+            raise RuntimeError("prepare_engine needs the ZeRO engine on (zero_config or TNLG_ZERO_* settings)")
+        if not any(p.is_meta for p in model.parameters()):
+            model = model.to(self.device)
+        engine = initialize(model, optimizer, self.zero_settings, init_seed=init_seed, pretrained=pretrained)
+        self.engines.append(engine)
+        self._models.append(engine)
+        wrapped_optimizer = AcceleratedEngineOptimizer(
+            EngineOptimizer(engine), device_placement=False, scaler=None
+        )
+        self._optimizers.append(wrapped_optimizer)
+        return engine, wrapped_optimizer
+
+    @property
+    def engine(self) -> ZeroEngine:
+        """The engine `prepare` built (one model per accelerator under ZeRO)."""
+        if not self.engines:
+            raise RuntimeError("no model has been prepared with the ZeRO engine yet")
+        return self.engines[0]
 
     def _refuse_a_second_scheduler(self, args: tuple[Any, ...]) -> None:
         section = self.zero_settings.training.scheduler

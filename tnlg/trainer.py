@@ -35,7 +35,7 @@ from typing import Any
 from transformers import Trainer
 
 from tnlg.accelerate import ZeroAccelerator
-from tnlg.checkpoint import write_json
+from tnlg.run.checkpoint import write_json
 from tnlg.sharding import ZeroConfig, ZeroEngine
 
 logger = logging.getLogger(__name__)

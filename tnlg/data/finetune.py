@@ -1,6 +1,6 @@
 """Fine-tuning data: rows from any `datasets` source → encoded examples → resumable batches per rank.
 
-Sources (tnlg.finetune_config.FinetuneDataSection): local json / jsonl / csv / parquet files, a
+Sources (tnlg.run.finetune_config.FinetuneDataSection): local json / jsonl / csv / parquet files, a
 `datasets` builder with `data_files`, a local `save_to_disk` directory, a hub dataset (when the hub is
 reachable), or an embedded example set ("embedded:docstrings", "embedded:qa"; no download).
 

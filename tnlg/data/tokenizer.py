@@ -1,4 +1,11 @@
-"""Byte-level BPE tokenizers trained with `tokenizers`, saved as Transformers tokenizer directories."""
+"""The project's one tokenizer module: the byte-level tokenizer that needs no training or download,
+byte-level BPEs trained with `tokenizers` (saved as Transformers tokenizer directories), and
+`load_tokenizer`, the one loader every script and run uses.
+
+`byte_level_tokenizer()` maps every byte to one token (256 tokens plus end-of-text), so any text
+round-trips exactly with no trained merges: what a freshly initialised model uses when no trained
+tokenizer is at hand (tests, byte-level runs).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +16,40 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from tnlg.tokenization import as_transformers_tokenizer, byte_level_tokenizer
-
 logger = logging.getLogger(__name__)
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+def byte_level_tokenizer(eos_token: str = END_OF_TEXT) -> PreTrainedTokenizerFast:
+    """A 257-token byte-level tokenizer: ids 0-255 are bytes (in ByteLevel's alphabet order), 256 is EOS.
+
+    EOS doubles as the padding token, padding on the left, which is what batched generation with a
+    decoder-only model needs.
+    """
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: index for index, symbol in enumerate(alphabet)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # use_regex=False: no word splitting is needed when every byte is its own token.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return as_transformers_tokenizer(tokenizer, eos_token)
+
+
+def as_transformers_tokenizer(tokenizer: Tokenizer, eos_token: str = END_OF_TEXT) -> PreTrainedTokenizerFast:
+    """A `tokenizers` tokenizer as a Transformers one, with `eos_token` appended as the last id.
+
+    End-of-text doubles as BOS and padding, padding on the left: what a decoder-only model needs
+    for packing and for batched generation.
+    """
+    tokenizer.add_special_tokens([eos_token])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=eos_token,
+        bos_token=eos_token,
+        pad_token=eos_token,
+        padding_side="left",
+    )
 
 
 def train_byte_level_bpe(

@@ -1,0 +1,113 @@
+"""Evaluations: sliding-window perplexity equals exp(mean NLL) computed directly, token by token;
+last-word accuracy needs every token of the word; SQuAD EM/F1 and ROUGE match hand-computed values."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tnlg.eval.perplexity import last_word_accuracy, perplexity, split_last_word
+from tnlg.eval.text_metrics import normalize_answer, rouge_scores, squad_scores, token_f1
+
+
+@pytest.fixture
+def tokens():
+    return torch.randint(0, 512, (50,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def test_perplexity_of_one_window_is_exp_of_the_models_mean_loss(debug_model, tokens):
+    ids = torch.tensor([tokens])
+    mean_nll = debug_model(input_ids=ids, labels=ids).loss.item()  # Transformers' own shifted loss
+    result = perplexity(debug_model, tokens, max_length=64)
+    assert result.tokens == len(tokens) - 1
+    assert result.perplexity == pytest.approx(math.exp(mean_nll), rel=1e-5)
+
+
+@pytest.mark.parametrize("stride", [5, 16])  # overlapping windows, and disjoint ones
+def test_sliding_window_scores_each_token_once_with_its_windows_context(debug_model, tokens, stride):
+    max_length = 16
+    result = perplexity(debug_model, tokens, max_length=max_length, stride=stride)
+    # Brute force: token t is scored by the first window [k * stride, k * stride + max_length) that ends
+    # after it, with that window's tokens before it as context (none if it starts the window).
+    nll, count = 0.0, 0
+    for t in range(1, len(tokens)):
+        k = next(k for k in range(len(tokens)) if min(k * stride + max_length, len(tokens)) > t)
+        begin = k * stride
+        if begin == t:
+            continue
+        logits = debug_model(input_ids=torch.tensor([tokens[begin:t]])).logits[0, -1]
+        nll -= F.log_softmax(logits.float(), dim=-1)[tokens[t]].item()
+        count += 1
+    assert result.tokens == count
+    assert result.nll == pytest.approx(nll, rel=1e-5)
+    if stride == max_length:
+        assert count == len(tokens) - math.ceil(len(tokens) / max_length)  # one unscored token per window
+
+
+def test_bits_per_byte_and_bad_arguments(debug_model, tokens):
+    result = perplexity(debug_model, tokens, max_length=64, text_bytes=200)
+    assert result.bits_per_byte == pytest.approx(result.nll / math.log(2) / 200)
+    assert result.as_dict()["tokens"] == len(tokens) - 1
+    with pytest.raises(ValueError, match="stride must be in"):
+        perplexity(debug_model, tokens, max_length=8, stride=9)
+    with pytest.raises(ValueError, match="at least 2"):
+        perplexity(debug_model, tokens[:1], max_length=8)
+
+
+class CharTokenizer:
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+class MemorizedText(nn.Module):
+    """Greedy decoding continues `text` (whose characters are all different) wherever it is in it."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.anchor = nn.Parameter(torch.zeros(()))
+        self.following = {ord(a): ord(b) for a, b in itertools.pairwise(text)}
+
+    def forward(self, input_ids):
+        logits = torch.zeros(*input_ids.shape, 256)
+        for position, token in enumerate(input_ids[0].tolist()):
+            logits[0, position, self.following.get(token, 0)] = 1.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_last_word_accuracy_needs_every_token_of_the_word():
+    model = MemorizedText("xyz abc")
+    passages = ["xyz abc", "xyz abd", "xyz ab", "xy zab"]  # right; last token wrong; right; wrong start
+    result = last_word_accuracy(model, CharTokenizer(), passages)
+    assert (result.correct, result.total) == (2, 4)
+    assert result.accuracy == 50.0
+    assert split_last_word("a b\ncd ") == ("a b", "\ncd")
+    with pytest.raises(ValueError, match="no context"):
+        split_last_word("lonely")
+
+
+def test_squad_exact_match_and_f1_match_hand_computed_values():
+    assert normalize_answer("The  Eiffel-Tower!") == "eiffeltower"
+    assert token_f1("Paris, France", ["Paris"]) == pytest.approx(2 * 0.5 * 1 / 1.5)
+    scores = squad_scores(
+        ["the Eiffel Tower", "Paris, France", "1889"],
+        [["Eiffel Tower"], ["Paris"], ["in 1889", "1889"]],  # best of several answers
+    )
+    assert scores["exact_match"] == pytest.approx(100 * 2 / 3)
+    assert scores["f1"] == pytest.approx(100 * (1 + 2 / 3 + 1) / 3)
+    with pytest.raises(ValueError, match="2 predictions for 1 references"):
+        squad_scores(["a", "b"], [["a"]])
+
+
+def test_rouge_matches_hand_computed_values():
+    scores = rouge_scores(["the cat sat on the mat"], ["the cat is on the mat"])
+    # unigrams: 5 of 6 shared; bigrams: 3 of 5 (the-cat, on-the, the-mat); LCS "the cat on the mat": 5
+    assert scores["rouge1"] == pytest.approx(100 * 5 / 6)
+    assert scores["rouge2"] == pytest.approx(100 * 3 / 5)
+    assert scores["rougeL"] == pytest.approx(100 * 5 / 6)
+    assert rouge_scores(["a b", "c"], ["a b", "d"])["rouge1"] == pytest.approx(50.0)

@@ -1,0 +1,48 @@
+"""The fine-tuning configs: every shipped YAML loads, overrides apply, and mistakes are named."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support import REPO
+from tnlg.run.finetune_config import FinetuneConfig, load_finetune_config
+
+CONFIGS = sorted((REPO / "configs" / "finetune").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_builds_its_task(path):
+    config = load_finetune_config(path)
+    assert isinstance(config, FinetuneConfig)
+    task = config.task.format()
+    assert task.max_length == config.task.max_length
+    assert config.evaluation.generation.max_new_tokens < task.max_length
+    assert config.to_dict()["data"]["dataset"] == config.data.dataset
+
+
+def test_overrides_reach_nested_sections():
+    config = load_finetune_config(
+        CONFIGS[0], ["--lora.enabled", "true", "--evaluation.generation.num_beams", "4", "--zero.stage", "3"]
+    )
+    assert config.lora.enabled and config.evaluation.generation.num_beams == 4 and config.zero.stage == 3
+    partial = load_finetune_config(None, ["--data.packing", "true"]).data  # no source: the embedded set
+    assert (partial.dataset, partial.validation_split, partial.packing) == (
+        "embedded:docstrings",
+        "validation",
+        True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--task.kynd", "qa"], "unknown config key task.kynd"),
+        (["--task.kind", "translation"], "task kind must be one of"),
+        (["--task.columns", "{title: headline}"], r"columns maps unknown fields \['title'\]"),
+        (["--data.on_long_example", "truncate"], "on_long_example must be 'stop' or 'skip'"),
+        (["--data.paths", "[a.jsonl]", "--data.validation_split", "test"], "give the held-out files as"),
+    ],
+)
+def test_mistakes_are_refused_by_name(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_finetune_config(None, overrides)

@@ -1,0 +1,94 @@
+"""Typed run configs: YAML sections, dotted overrides, unknown keys and wrong types named."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support import REPO
+from tnlg.modeling import TNLGConfig
+from tnlg.run.config import load_run_config
+from tnlg.run.pretrain import stream_config
+from tnlg.sharding import ZeroConfig
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  preset: debug\n  overrides: {hidden_size: 128}\ntrain:\n  max_steps: 50\n")
+    config = load_run_config(path, ["--train.max_steps", "20", "--zero.stage", "3", "--optimizer.lr=1e-3"])
+    assert config.model.overrides == {"hidden_size": 128}
+    assert (config.train.max_steps, config.zero.stage, config.optimizer.lr) == (20, 3, 1e-3)
+    assert config.train.micro_batch_size == 8  # untouched default
+
+
+def test_sources_become_typed_sections(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "data:\n  sources:\n    - {name: web, paths: [a.jsonl], weight: 2}\n"
+        "    - {name: pile, dataset: monology/pile-uncopyrighted, split: validation}\n"
+    )
+    config = load_run_config(path)
+    web, _ = config.data.sources
+    assert (web.name, web.paths, web.weight) == ("web", ["a.jsonl"], 2.0)
+    streamed = stream_config(config.data, seed=0, split="train").sources_by_name["pile"]
+    assert (streamed.dataset, streamed.split, streamed.paths) == (
+        "monology/pile-uncopyrighted",
+        "validation",
+        (),
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--train.max_step", "3"], "unknown config key train.max_step"),
+        (["--trian.max_steps", "3"], "unknown config key trian"),
+        (["--train.max_steps", "many"], "train.max_steps: expected int"),
+        (["--train.max_steps"], "has no value"),
+        (["max_steps", "3"], "expected an override like"),
+    ],
+)
+def test_bad_keys_and_values_are_named(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_run_config(None, overrides)
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((REPO / "configs" / "pretrain").glob("*.yaml")),
+    ids=lambda p: p.stem,
+)
+def test_every_committed_run_config_loads(path):
+    config = load_run_config(path)
+    model = TNLGConfig.from_preset(config.model.preset, **config.model.overrides)
+    assert config.data.seq_len <= model.max_position_embeddings
+    config.zero.to_zero_config(config.train.mixed_precision)  # valid engine settings
+
+
+def test_the_example_deepspeed_config_parses():
+    config = ZeroConfig.from_deepspeed(
+        REPO / "configs" / "deepspeed" / "zero3-bf16.json",
+        mixed_precision="bf16",
+    )
+    assert (config.stage, config.mixed_precision, config.reduce_bucket_size) == (3, "bf16", 500_000_000)
+
+
+def test_pretokenized_corpora_feed_training(tmp_path):
+    from tnlg.data.pretokenized import PretokenizedStream, write_pretokenized
+    from tnlg.data.tokenizer import byte_level_tokenizer
+    from tnlg.run.pretrain import training_stream
+
+    write_pretokenized(["some text to train on"] * 50, byte_level_tokenizer(), tmp_path / "corpus")
+    config = load_run_config(
+        None,
+        [
+            "--data.pretokenized",
+            f"[{{prefix: {tmp_path / 'corpus'}, weight: 1}}]",
+            "--data.seq_len",
+            "16",
+            "--train.micro_batch_size",
+            "2",
+        ],
+    )
+    stream = training_stream(config, byte_level_tokenizer(), rank=0, world=1)
+    assert isinstance(stream, PretokenizedStream)
+    assert next(iter(stream))["input_ids"].shape == (2, 16)

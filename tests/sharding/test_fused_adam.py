@@ -1,0 +1,188 @@
+"""GPU fused Adam: the plain-PyTorch reference computes torch's Adam / AdamW; the Triton kernel (run on CPU
+under TRITON_INTERPRET=1, on CUDA when there is one) and the CUDA extension compute the reference's
+values on fresh random inputs; the CUDA source compiles with nvcc where nvcc exists."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from tests.sharding.test_zero_equivalence import assert_states_close
+from tests.support.offload_cases import fused_adam_matrix
+from tnlg.sharding.kernels.cuda_adam import KERNEL_SOURCE
+from tnlg.sharding.kernels.fused_adam import (
+    AdamHyper,
+    adam_reference,
+    adam_triton,
+    fused_adam,
+    triton_available,
+)
+from tnlg.tools.spawn import run_distributed
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Max-norm relative error (elementwise ratios blow up where a moment is near zero)."""
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
+
+
+def fresh_inputs(numel: int, grad_dtype: torch.dtype, seed: int, device: str = "cpu"):
+    generator = torch.Generator().manual_seed(seed)
+    param = torch.randn(numel, generator=generator)
+    grad = (torch.randn(numel, generator=generator) * 3).to(grad_dtype)
+    exp_avg = torch.randn(numel, generator=generator) * 0.1
+    exp_avg_sq = torch.rand(numel, generator=generator) * 0.01
+    max_sq = exp_avg_sq + torch.rand(numel, generator=generator) * 0.01
+    return [t.to(device) for t in (param, grad, exp_avg, exp_avg_sq, max_sq)]
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("adamw", [True, False])
+def test_reference_matches_torch_after_ten_steps(adamw, amsgrad):
+    generator = torch.Generator().manual_seed(0)
+    ours = torch.randn(1031, generator=generator)
+    theirs = ours.clone()
+    settings = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": amsgrad}
+    torch_class = torch.optim.AdamW if adamw else torch.optim.Adam
+    expected = torch_class([theirs], **settings, foreach=False)
+    exp_avg, exp_avg_sq, max_sq = torch.zeros_like(ours), torch.zeros_like(ours), torch.zeros_like(ours)
+    for step in range(1, 11):
+        grad = torch.randn(1031, generator=generator)
+        theirs.grad = grad.clone()
+        expected.step()
+        hyper = AdamHyper(1e-2, 0.9, 0.95, 1e-8, 0.1, step, adamw)
+        adam_reference(ours, grad, exp_avg, exp_avg_sq, hyper, max_sq if amsgrad else None)
+    state = expected.state[theirs]
+    assert relative_error(ours, theirs) <= 1e-6
+    assert relative_error(exp_avg, state["exp_avg"]) <= 1e-6
+    assert relative_error(exp_avg_sq, state["exp_avg_sq"]) <= 1e-6
+
+
+def _compare_with_reference(run, numel, grad_dtype, out_dtype, adamw, amsgrad, device):
+    param, grad, exp_avg, exp_avg_sq, max_sq = fresh_inputs(numel, grad_dtype, seed=numel, device=device)
+    hyper = AdamHyper(3e-3, 0.9, 0.999, 1e-8, 0.1, 7, adamw, grad_scale=0.25)
+    ours = [t.clone() for t in (param, exp_avg, exp_avg_sq, max_sq)]
+    want = [t.clone() for t in (param, exp_avg, exp_avg_sq, max_sq)]
+    out = torch.full((numel,), 7.0, dtype=out_dtype, device=device) if out_dtype else None
+    run(ours[0], grad, ours[1], ours[2], hyper, ours[3] if amsgrad else None, out)
+    adam_reference(want[0], grad, want[1], want[2], hyper, want[3] if amsgrad else None)
+    for name, got, expected in zip(
+        ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), ours, want, strict=True
+    ):
+        assert relative_error(got, expected) <= 1e-6, name
+    if out is not None:  # the copy is the updated parameter, rounded as torch rounds it
+        assert torch.equal(out, ours[0].to(out_dtype))
+
+
+TRITON_CASES = [
+    # (numel, grad dtype, copy dtype, adamw, amsgrad): odd sizes leave a partial last block
+    (1, torch.float32, None, True, False),
+    (1023, torch.bfloat16, torch.bfloat16, True, False),
+    (2500, torch.float16, torch.float16, False, True),
+    (4097, torch.bfloat16, torch.float16, True, True),
+    (3001, torch.float32, torch.bfloat16, False, False),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("numel, grad_dtype, out_dtype, adamw, amsgrad", TRITON_CASES)
+def test_triton_kernel_matches_the_reference(numel, grad_dtype, out_dtype, adamw, amsgrad):
+    _compare_with_reference(adam_triton, numel, grad_dtype, out_dtype, adamw, amsgrad, DEVICE)
+
+
+def test_fused_adam_validates_its_inputs_and_picks_the_reference_on_cpu():
+    param, grad, exp_avg, exp_avg_sq, _ = fresh_inputs(10, torch.bfloat16, seed=1)
+    before = param.clone()
+    with pytest.raises(ValueError, match="exp_avg_sq is a \\[9\\] tensor"):
+        fused_adam(param, grad, exp_avg, exp_avg_sq[:9], step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="out16 must be bf16 or fp16"):
+        fused_adam(param, grad, exp_avg, exp_avg_sq, step=1, lr=1e-3, out16=torch.empty(10))
+    with pytest.raises(ValueError, match="step counts from 1"):
+        fused_adam(param, grad, exp_avg, exp_avg_sq, step=0, lr=1e-3)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        fused_adam(param, grad, exp_avg, exp_avg_sq, step=1, lr=1e-3, backend="apex")
+    assert torch.equal(param, before)  # nothing was updated by a refused call
+    assert fused_adam(param, grad, exp_avg, exp_avg_sq, step=1, lr=1e-3) == "reference"
+    assert not torch.equal(param, before)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_cuda_kernel_source_compiles_with_nvcc(tmp_path):
+    """The kernel file is plain CUDA (no torch headers), so nvcc checks it without a GPU."""
+    command = ["nvcc", "-c", str(KERNEL_SOURCE), "-o", str(tmp_path / "fused_adam_kernel.o"), "-std=c++17",
+               "-O3", "-fmad=false", "-Xcompiler", "-fPIC", f"-I{KERNEL_SOURCE.parent}"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "fused_adam_kernel.o").stat().st_size > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("numel, grad_dtype, out_dtype, adamw, amsgrad", TRITON_CASES)
+def test_cuda_extension_matches_the_reference(numel, grad_dtype, out_dtype, adamw, amsgrad):
+    def run(param, grad, exp_avg, exp_avg_sq, hyper, max_sq, out):
+        ran = fused_adam(
+            param, grad, exp_avg, exp_avg_sq, step=hyper.step, lr=hyper.lr, betas=(hyper.beta1, hyper.beta2),
+            eps=hyper.eps, weight_decay=hyper.weight_decay, adamw=hyper.adamw, grad_scale=hyper.grad_scale,
+            max_exp_avg_sq=max_sq, out16=out, backend="cuda",
+        )  # fmt: skip
+        assert ran == "cuda"
+
+    _compare_with_reference(run, numel, grad_dtype, out_dtype, adamw, amsgrad, "cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_extension_updates_many_tensors_in_one_launch():
+    from tnlg.sharding.kernels.cuda_adam import cuda_extension
+
+    extension = cuda_extension()
+    assert extension is not None, "the CUDA extension did not build on this GPU machine"
+    sizes = (1, 65_536, 65_537, 200_000)  # chunks of 65536: whole, and split over blocks
+    tensors = [fresh_inputs(n, torch.bfloat16, seed=n, device="cuda") for n in sizes]
+    hyper = AdamHyper(1e-3, 0.9, 0.95, 1e-8, 0.1, 3, True)
+    ours = [[t.clone() for t in group] for group in tensors]
+    outs = [torch.empty(n, dtype=torch.bfloat16, device="cuda") for n in sizes]
+    extension.fused_adam(
+        [g[0] for g in ours], [g[1] for g in ours], [g[2] for g in ours], [g[3] for g in ours], [], outs,
+        hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, hyper.step_size,
+        hyper.bias_correction2_sqrt, True, 1.0, torch.cuda.current_stream().cuda_stream,
+    )  # fmt: skip
+    for group, got, out in zip(tensors, ours, outs, strict=True):
+        param, grad, exp_avg, exp_avg_sq, _ = (t.clone() for t in group)
+        adam_reference(param, grad, exp_avg, exp_avg_sq, hyper)
+        assert relative_error(got[0], param) <= 1e-6
+        assert torch.equal(out, got[0].to(torch.bfloat16))
+
+
+@pytest.fixture(scope="module")
+def engine_runs():
+    return run_distributed(fused_adam_matrix, 2, timeout=900)[0]
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_engine_steps_through_the_fused_kernel_like_torch(engine_runs, stage, precision):
+    """The engine's fused path (state in the user's AdamW, gradient scaled as read, stages 0 and 3
+    writing the 16-bit parameters directly) trains like the same engine stepping torch's AdamW."""
+    fused, plain = engine_runs[(stage, precision, "reference")], engine_runs[(stage, precision, "none")]
+    tolerance = 1e-6 if precision == "no" else 1e-5  # bf16: a master 1e-7 apart may round the other way
+    assert fused["losses"] == pytest.approx(plain["losses"], rel=tolerance)
+    assert_states_close(fused["state"], {k: v.float() for k, v in plain["state"].items()}, atol=tolerance)
+
+
+@needs_triton
+@pytest.mark.parametrize("stage", [0, 3])
+def test_engine_runs_the_triton_kernel(engine_runs, stage):
+    triton_run, plain = engine_runs[(stage, "bf16", "triton")], engine_runs[(stage, "bf16", "none")]
+    assert triton_run["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    assert_states_close(triton_run["state"], {k: v.float() for k, v in plain["state"].items()}, atol=1e-5)
+
+
+def test_engine_fused_step_with_clipping_and_accumulation(engine_runs):
+    fused, plain = engine_runs[(2, "no", "reference-clip")], engine_runs[(2, "no", "none-clip")]
+    assert fused["norms"] == pytest.approx(plain["norms"], rel=1e-6)
+    assert fused["losses"] == pytest.approx(plain["losses"], rel=1e-6)

@@ -1,0 +1,96 @@
+"""What each rank runs in the ZeroAccelerator tests: the standard Accelerate loop."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from accelerate import Accelerator
+
+from tests.support.zero_tnlg_cases import debug_model
+from tnlg.accelerate import ZeroAccelerator
+from tnlg.sharding import ZeroConfig
+
+STEPS, ACCUMULATION, MICRO_BATCH = 4, 2, 2
+
+
+def _loader(world_size: int):
+    generator = torch.Generator().manual_seed(5)
+    data = torch.randint(0, 512, (STEPS * ACCUMULATION * MICRO_BATCH * world_size, 24), generator=generator)
+    dataset = [{"input_ids": row, "labels": row} for row in data]
+    return torch.utils.data.DataLoader(dataset, batch_size=MICRO_BATCH, shuffle=False)
+
+
+def accelerate_loop(rank: int, world_size: int, stage: int | None, save_to: str | None = None) -> dict:
+    """Losses of the documented loop; stage None runs plain `Accelerator` (DDP)."""
+    if stage is None:
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
+    else:
+        accelerator = ZeroAccelerator(
+            zero_config=ZeroConfig(stage=stage), gradient_accumulation_steps=ACCUMULATION
+        )
+    model = debug_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    model, optimizer, loader, scheduler = accelerator.prepare(
+        model, optimizer, _loader(world_size), scheduler
+    )
+    losses, norms, lrs = [], [], []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 0.5)))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        losses.append(accelerator.reduce(loss.detach(), "mean").item())
+        lrs.append(optimizer.param_groups[0]["lr"])
+    result = {"losses": losses, "norms": norms, "lrs": lrs}
+    if save_to is not None and stage is None:  # plain Accelerate's recipe for a from_pretrained directory
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(model).save_pretrained(save_to, max_shard_size="100KB")
+        accelerator.wait_for_everyone()
+    elif save_to is not None:
+        accelerator.save_model(model, save_to, max_shard_size="100KB")
+        result["unwrapped"] = type(accelerator.unwrap_model(model)).__name__
+    return result
+
+
+def _prepared(stage: int):
+    accelerator = ZeroAccelerator(
+        zero_config=ZeroConfig(stage=stage), gradient_accumulation_steps=ACCUMULATION
+    )
+    model = debug_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    return accelerator, *accelerator.prepare(model, optimizer, _loader(2), scheduler)
+
+
+def _train(accelerator, model, optimizer, loader, scheduler) -> list[float]:
+    losses = []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        losses.append(accelerator.reduce(loss.detach(), "mean").item())
+    return losses
+
+
+def save_and_load_state(rank: int, world_size: int, stage: int, directory: str) -> dict:
+    """Uninterrupted losses, and the losses after save_state halfway and load_state into fresh objects."""
+    whole = _train(*_prepared(stage))
+    # Train the first half, save, then continue in fresh objects from the saved state.
+    accelerator, model, optimizer, loader, scheduler = _prepared(stage)
+    half = len(loader) // 2
+    _train(accelerator, model, optimizer, itertools.islice(loader, half), scheduler)
+    accelerator.save_state(directory)
+    accelerator, model, optimizer, loader, scheduler = _prepared(stage)
+    accelerator.load_state(directory)
+    rest = _train(accelerator, model, optimizer, accelerator.skip_first_batches(loader, half), scheduler)
+    return {"whole": whole, "rest": rest, "half": half}

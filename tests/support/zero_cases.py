@@ -1,0 +1,112 @@
+"""What each rank runs in the ZeRO tests (module-level so that spawned processes can import it)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from tests.support.zero_models import batches, local, make_model, make_optimizer
+from tnlg.sharding import ZeroConfig, initialize
+
+STEPS = 10
+# Small buckets and a low persistence threshold, so that even this tiny model is cut into several
+# units per group and stage 3 has both gathered and persistent parameters.
+SMALL = {"reduce_bucket_size": 64, "param_persistence_threshold": 20, "prefetch_bucket_size": 600}
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().float().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+def train_engine(
+    rank: int,
+    world_size: int,
+    accumulation: int = 1,
+    use_no_sync: bool = True,
+    eval_between: bool = False,
+    blocks: str = "no_split",
+    optimizer: str = "adamw",
+    **config,
+) -> dict:
+    """`eval_between`: a no-grad forward between each forward and its backward; `blocks="children"`:
+    the model has no `_no_split_modules`, so stage 3 gathers its children (the tied embedding and
+    head become root parameters)."""
+    model = make_model()
+    if blocks == "children":
+        model._no_split_modules = []
+    engine = initialize(model, make_optimizer(model, optimizer), ZeroConfig(**{**SMALL, **config}))
+    losses, norms, skipped, scales = [], [], [], []
+    for batch in batches(STEPS):
+        input_ids, labels = local(batch, rank, world_size)
+        total = torch.zeros(())
+        assert len(input_ids) % accumulation == 0, "the local batch must split into equal micro-batches"
+        for micro, (ids, lab) in enumerate(
+            zip(input_ids.chunk(accumulation), labels.chunk(accumulation), strict=True)
+        ):
+            last = micro == accumulation - 1
+            with contextlib.nullcontext() if last or not use_no_sync else engine.no_sync():
+                loss = engine(ids, lab) / accumulation
+                if eval_between:
+                    with torch.no_grad():
+                        engine(ids, lab)
+                engine.backward(loss)
+            total += loss.detach()
+        engine.step()
+        losses.append(_mean_over_ranks(total))
+        norms.append(engine.get_global_grad_norm())
+        skipped.append(engine.step_was_skipped)
+        scales.append(engine.loss_scale)
+    state = engine.full_state_dict()
+    return {
+        "losses": losses,
+        "norms": norms,
+        "skipped": skipped,
+        "scales": scales,
+        "state": state,
+        "memory": engine.memory_stats(),
+    }
+
+
+def train_ddp(rank: int, world_size: int) -> dict:
+    model = make_model()
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    optimizer = make_optimizer(model)
+    losses = []
+    for batch in batches(STEPS):
+        loss = ddp(*local(batch, rank, world_size))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(_mean_over_ranks(loss))
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def equivalence_matrix(rank: int, world_size: int) -> dict:
+    """Every engine configuration the equivalence tests compare, run once per world size."""
+    results = {}
+    for stage in (0, 1, 2, 3):
+        results[("fp32", stage)] = train_engine(rank, world_size, stage=stage)
+        results[("clip", stage)] = train_engine(rank, world_size, stage=stage, gradient_clipping=0.05)
+        results[("accumulate", stage)] = train_engine(rank, world_size, stage=stage, accumulation=4)
+        results[("bf16", stage)] = train_engine(rank, world_size, stage=stage, mixed_precision="bf16")
+        results[("no-overlap", stage)] = train_engine(rank, world_size, stage=stage, overlap_comm=False)
+        results[("accumulate-synced", stage)] = train_engine(
+            rank, world_size, stage=stage, accumulation=2, use_no_sync=False
+        )
+    results[("children", 3)] = train_engine(rank, world_size, stage=3, blocks="children")
+    results[("eval-between", 3)] = train_engine(rank, world_size, stage=3, eval_between=True)
+    results[("eval-between-kept", 3)] = train_engine(
+        rank, world_size, stage=3, eval_between=True, reshard_after_forward=False
+    )
+    results[("keep-gathered", 3)] = train_engine(rank, world_size, stage=3, reshard_after_forward=False)
+    results[("fp16-overflow", 2)] = train_engine(
+        rank, world_size, stage=2, mixed_precision="fp16", initial_loss_scale=2.0**16, hysteresis=1
+    )
+    if world_size > 1:
+        results[("ddp", None)] = train_ddp(rank, world_size)
+    return results

@@ -1,0 +1,143 @@
+"""Megatron-LM GPT → TNLG, for Megatron-core and legacy names, tensor and pipeline parallel shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from scripts.convert_checkpoint import main as convert_main
+from tests.support.megatron_layout import megatron_shards, save_megatron_checkpoint
+from tnlg import TNLGForCausalLM
+from tnlg.tools.convert import from_megatron
+
+VOCAB, HEADS = 300, 4
+
+
+@pytest.fixture
+def gpt2() -> GPT2LMHeadModel:
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=4, n_head=HEADS, bos_token_id=0, eos_token_id=0
+    )
+    model = GPT2LMHeadModel._from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "ln_" in name or name.endswith(".bias"):
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    return model
+
+
+def assert_same_function(tnlg: TNLGForCausalLM, gpt2: GPT2LMHeadModel) -> None:
+    input_ids = torch.randint(0, VOCAB, (2, 24))
+    torch.testing.assert_close(tnlg(input_ids).logits, gpt2(input_ids).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("style", ["core", "te", "legacy"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tensor_parallel_shards_merge_to_gpt2(gpt2, style, tp):
+    shards = megatron_shards(gpt2, style=style, tp=tp)
+    tnlg = from_megatron(
+        [shards[(rank, 0)] for rank in range(tp)], num_attention_heads=HEADS, vocab_size=VOCAB
+    )
+    assert tnlg.run.config.vocab_size == VOCAB and tnlg.run.config.tie_word_embeddings
+    assert_same_function(tnlg, gpt2)
+
+
+@pytest.mark.parametrize("version", [0, 1.0, 2.0, 3.0])
+def test_legacy_qkv_orderings(gpt2, version):
+    shards = megatron_shards(gpt2, style="legacy", tp=2, version=version)
+    tnlg = from_megatron(
+        [shards[(0, 0)], shards[(1, 0)]],
+        num_attention_heads=HEADS,
+        vocab_size=VOCAB,
+        checkpoint_version=version,
+    )
+    assert_same_function(tnlg, gpt2)
+
+
+def test_wrong_qkv_order_would_be_caught(gpt2):
+    """The check has teeth: reading a v3 checkpoint as v0 gives a different function."""
+    shards = megatron_shards(gpt2, style="legacy", version=3.0)
+    wrong = from_megatron(shards[(0, 0)], num_attention_heads=HEADS, vocab_size=VOCAB, checkpoint_version=0)
+    with pytest.raises(AssertionError):
+        assert_same_function(wrong, gpt2)
+
+
+@pytest.mark.parametrize("style", ["core", "legacy"])
+def test_checkpoint_directory_with_tensor_and_pipeline_parallelism(tmp_path, gpt2, style):
+    shards = megatron_shards(gpt2, style=style, tp=2, pp=2)
+    save_megatron_checkpoint(shards, tmp_path, num_heads=HEADS)
+    # Heads and epsilon come from the saved args; the padded vocabulary (384 rows) is trimmed.
+    tnlg = from_megatron(tmp_path, vocab_size=VOCAB)
+    assert tnlg.run.config.num_hidden_layers == 4 and tnlg.run.config.tie_word_embeddings
+    assert_same_function(tnlg, gpt2)
+
+
+def test_padded_vocabulary_is_kept_without_vocab_size(gpt2):
+    tnlg = from_megatron(megatron_shards(gpt2)[(0, 0)], num_attention_heads=HEADS)
+    assert tnlg.run.config.vocab_size == 384
+    input_ids = torch.randint(0, VOCAB, (1, 10))
+    torch.testing.assert_close(tnlg(input_ids).logits[..., :VOCAB], gpt2(input_ids).logits, atol=1e-5, rtol=0)
+
+
+def test_cli_converts_a_megatron_directory(tmp_path, gpt2):
+    save_megatron_checkpoint(megatron_shards(gpt2, tp=2), tmp_path / "megatron", num_heads=HEADS)
+    output = tmp_path / "tnlg"
+    convert_main(
+        [
+            "--from",
+            "megatron",
+            "--input",
+            str(tmp_path / "megatron"),
+            "--output",
+            str(output),
+            "--vocab-size",
+            str(VOCAB),
+        ]
+    )
+    assert_same_function(TNLGForCausalLM.from_pretrained(output), gpt2)
+
+
+def test_unknown_tensors_are_listed(gpt2):
+    shard = dict(megatron_shards(gpt2)[(0, 0)])
+    shard["decoder.layers.0.self_attention.q_layernorm.weight"] = torch.ones(16)
+    with pytest.raises(ValueError, match=r"q_layernorm"):
+        from_megatron(shard, num_attention_heads=HEADS)
+
+
+def test_heads_are_required_without_args(gpt2):
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        from_megatron(megatron_shards(gpt2)[(0, 0)])
+
+
+def test_wrong_head_count_is_refused(gpt2):
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        from_megatron(megatron_shards(gpt2)[(0, 0)], num_attention_heads=5)
+
+
+def test_rotary_models_are_refused(gpt2):
+    shard = dict(megatron_shards(gpt2)[(0, 0)])
+    del shard["embedding.position_embeddings.weight"]
+    with pytest.raises(ValueError, match="position embeddings"):
+        from_megatron(shard, num_attention_heads=HEADS)
+
+
+def test_missing_rank_file_is_named(tmp_path, gpt2):
+    shards = megatron_shards(gpt2, tp=2, pp=2)
+    del shards[(1, 1)]
+    save_megatron_checkpoint(shards, tmp_path, num_heads=HEADS)
+    with pytest.raises(ValueError, match=r"\(1, 1\)"):
+        from_megatron(tmp_path)
+
+
+def test_unsupported_architecture_args_are_refused(tmp_path, gpt2):
+    save_megatron_checkpoint(
+        megatron_shards(gpt2), tmp_path, num_heads=HEADS, apply_residual_connection_post_layernorm=True
+    )
+    with pytest.raises(ValueError, match="apply_residual_connection_post_layernorm"):
+        from_megatron(tmp_path)
+
+
+def test_activation_follows_the_saved_args(tmp_path, gpt2):
+    save_megatron_checkpoint(megatron_shards(gpt2), tmp_path, num_heads=HEADS, bias_gelu_fusion=False)
+    assert from_megatron(tmp_path, vocab_size=VOCAB).config.hidden_act == "gelu"  # exact GeLU without fusion

@@ -1,0 +1,231 @@
+"""The ZeRO memory estimator: the paper's formulas, offload placement, activations, the CLI."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tnlg.modeling import TNLGConfig
+from tnlg.tools.memory import (
+    GB,
+    _layer_tensor_sizes,
+    _root_tensor_sizes,
+    activation_bytes,
+    estimate_memory,
+    format_table,
+    model_state_estimate,
+    parse_bytes,
+    smallest_world_size,
+)
+
+
+@pytest.fixture(scope="module")
+def tnlg_17b() -> TNLGConfig:
+    return TNLGConfig.from_preset("tnlg-17b")
+
+
+def paper_bytes(psi: int, n: int, stage: int) -> int:
+    """The ZeRO paper's per-rank model states (section 5), with K = 12 and ceil(Ψ/N) elements a shard."""
+    shard = math.ceil(psi / n)
+    return {0: 16 * psi, 1: 4 * psi + 12 * shard, 2: 2 * psi + 14 * shard, 3: 16 * shard}[stage]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 8, 64, 512])
+def test_model_states_match_the_paper_for_a_preset(tnlg_17b, stage, world_size):
+    estimate = estimate_memory(tnlg_17b, world_size=world_size, stage=stage)
+    psi = tnlg_17b.num_parameters()
+    assert estimate.num_parameters == psi
+    assert estimate.model_states == paper_bytes(psi, world_size, stage)
+
+
+def test_the_papers_7_5b_example():
+    # ZeRO paper, figure 1: Ψ = 7.5B, N = 64, K = 12.
+    figures = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+    for stage, expected_gb in figures.items():
+        estimate = model_state_estimate(7_500_000_000, world_size=64, stage=stage)
+        assert round(estimate.model_states / GB, 1) == expected_gb
+
+
+def test_full_precision_keeps_a_separate_master_copy():
+    psi, n = 1_000_000, 8
+    per_element = {0: 4 + 4 + 4 + 8, 3: (4 + 4 + 4 + 8) / n}
+    for stage, factor in per_element.items():
+        estimate = model_state_estimate(psi, world_size=n, stage=stage, mixed_precision="no")
+        assert estimate.model_states == factor * psi
+    stage2 = model_state_estimate(psi, world_size=n, stage=2, mixed_precision="no")
+    assert (stage2.params, stage2.grads, stage2.master) == (4 * psi, 4 * psi // n, 4 * psi // n)
+
+
+def test_offload_moves_bytes_to_cpu(tnlg_17b):
+    base = estimate_memory(tnlg_17b, world_size=8, stage=3)
+    optimizer_off = estimate_memory(tnlg_17b, world_size=8, stage=3, offload_optimizer="cpu")
+    both_off = estimate_memory(tnlg_17b, world_size=8, stage=3, offload_optimizer="cpu", offload_param="cpu")
+    assert base.cpu_bytes == 0
+    # the engine's placement: master, Adam's moments and the gradient shard (fp32 on the host, where
+    # the 16-bit device shard held 2 bytes) move; Adam's step keeps a bf16 copy of the shard there
+    shard = math.ceil(tnlg_17b.num_parameters() / 8)
+    assert optimizer_off.grads == 2 * base.grads == 4 * shard
+    assert optimizer_off.offload_copy == 2 * shard
+    assert optimizer_off.cpu_bytes == base.master + base.optimizer_state + 4 * shard + 2 * shard
+    # with the parameters offloaded too, the step writes the host parameter shard itself: no copy
+    assert both_off.offload_copy == 0
+    assert both_off.cpu_bytes == base.master + base.optimizer_state + 4 * shard + base.params
+    assert optimizer_off.device_bytes == base.device_bytes - base.master - base.optimizer_state - base.grads
+    assert both_off.device_bytes == optimizer_off.device_bytes - base.params
+    stage1 = estimate_memory(tnlg_17b, world_size=8, stage=1, offload_optimizer="cpu", optimizer="sgd")
+    assert (
+        stage1.cpu_bytes == stage1.master + stage1.optimizer_state
+    )  # full gradients stay; SGD writes no copy
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_non_increasing_in_world_size(tnlg_17b, stage):
+    sizes = [
+        estimate_memory(tnlg_17b, world_size=n, stage=stage).device_bytes for n in (1, 2, 8, 64, 512, 4096)
+    ]
+    assert sizes == sorted(sizes, reverse=True)
+    assert (sizes[0] == sizes[-1]) == (stage == 0)  # stage 0 replicates everything
+
+
+def test_stages_save_memory_in_order(tnlg_17b):
+    sizes = [estimate_memory(tnlg_17b, world_size=64, stage=stage).model_states for stage in (0, 1, 2, 3)]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_activation_checkpointing_reduces_activations(tnlg_17b):
+    kept = estimate_memory(tnlg_17b, world_size=8, stage=1, activation_checkpointing=True).activations
+    full = estimate_memory(tnlg_17b, world_size=8, stage=1, activation_checkpointing=False).activations
+    assert 0 < kept < full
+
+
+def test_activations_follow_korthikanti_eq_1():
+    # With dropout on, I = 4h and 16-bit activations a layer keeps exactly 34sbh + 5as²b bytes.
+    config = TNLGConfig.from_preset(
+        "debug", num_hidden_layers=3, attention_dropout=0.1, hidden_dropout=0.1, embedding_dropout=0.1
+    )
+    s, b, h, a, v, layers = 128, 2, 64, 4, 512, 3  # the debug shape
+    head = 2 * 2 * s * b * h + 4 * s * b * v + s * b * h
+    full = activation_bytes(config, micro_batch_size=b, activation_checkpointing=False)
+    assert full == layers * (34 * s * b * h + 5 * a * s * s * b) + head
+    kept = activation_bytes(config, micro_batch_size=b, activation_checkpointing=True)
+    assert kept == layers * 2 * s * b * h + (34 * s * b * h + 5 * a * s * s * b) + head
+
+
+def test_activations_scale_with_batch_and_dtype(tnlg_17b):
+    one = activation_bytes(tnlg_17b, micro_batch_size=1, activation_checkpointing=False)
+    assert activation_bytes(tnlg_17b, micro_batch_size=4, activation_checkpointing=False) == 4 * one
+    fp32 = activation_bytes(tnlg_17b, compute_bytes=4, activation_checkpointing=False)
+    assert one < fp32 < 2 * one  # the fp32 logits and dropout masks do not grow
+
+
+def test_layer_and_root_sizes_add_up_to_the_parameter_count():
+    for name in ("debug", "tnlg-17b", "mt-nlg-530b"):
+        for tied in (True, False):
+            config = TNLGConfig.from_preset(name, tie_word_embeddings=tied)
+            counted = config.num_hidden_layers * sum(_layer_tensor_sizes(config)) + sum(
+                _root_tensor_sizes(config)
+            )
+            assert counted == config.num_parameters()
+
+
+def test_stage_3_gathers_one_layer_and_the_root(tnlg_17b):
+    h, v, p = tnlg_17b.hidden_size, tnlg_17b.vocab_size, tnlg_17b.max_position_embeddings
+    estimate = estimate_memory(tnlg_17b, world_size=64, stage=3, param_persistence_threshold=0)
+    assert estimate.gathered == 2 * 2 * (sum(_layer_tensor_sizes(tnlg_17b)) + (v + p) * h + 2 * h)
+    assert estimate_memory(tnlg_17b, world_size=64, stage=2).gathered == 0
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_smallest_world_size_is_the_first_power_of_two_that_fits(tnlg_17b, stage):
+    budget = 80 * GB
+    found = smallest_world_size(tnlg_17b, device_memory_bytes=budget, stage=stage)
+    assert found is not None and found & (found - 1) == 0
+    assert estimate_memory(tnlg_17b, world_size=found, stage=stage).device_bytes <= budget
+    if found > 1:
+        assert estimate_memory(tnlg_17b, world_size=found // 2, stage=stage).device_bytes > budget
+
+
+def test_smallest_world_size_none_when_nothing_fits(tnlg_17b):
+    assert smallest_world_size(tnlg_17b, device_memory_bytes=80 * GB, stage=0) is None
+    assert smallest_world_size(tnlg_17b, device_memory_bytes=1 * GB, stage=3) is None  # activations alone
+    fits = smallest_world_size(tnlg_17b, device_memory_bytes=300 * GB, stage=0)
+    assert fits == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"world_size": 0}, "world_size"),
+        ({"world_size": 2.0}, "world_size"),
+        ({"stage": 4}, "stage"),
+        ({"mixed_precision": "fp8"}, "mixed_precision"),
+        ({"offload_optimizer": "nvme"}, "offload_optimizer"),
+        ({"stage": 0, "offload_optimizer": "cpu"}, "offload_optimizer"),
+        ({"stage": 2, "offload_param": "cpu"}, "offload_param"),
+        ({"micro_batch_size": 0}, "micro_batch_size"),
+        ({"seq_len": 4096}, "seq_len"),
+        ({"activation_checkpointing": "yes"}, "activation_checkpointing"),
+        ({"optimizer": "lamb"}, "optimizer"),
+        ({"param_persistence_threshold": -1}, "param_persistence_threshold"),
+    ],
+)
+def test_bad_inputs_raise_naming_the_argument(tnlg_17b, kwargs, name):
+    arguments = {"world_size": 8, "stage": 3, **kwargs}
+    with pytest.raises(ValueError, match=name):
+        estimate_memory(tnlg_17b, **arguments)
+
+
+def test_other_bad_inputs_raise():
+    with pytest.raises(ValueError, match="config"):
+        estimate_memory({"hidden_size": 8}, world_size=8, stage=3)
+    with pytest.raises(ValueError, match="num_parameters"):
+        model_state_estimate(0, world_size=8, stage=3)
+    with pytest.raises(ValueError, match="device_memory_bytes"):
+        smallest_world_size(TNLGConfig.from_preset("debug"), device_memory_bytes=0, stage=3)
+    for text in ("80", "80GB", "80 GiB", "1.5tb"):
+        assert parse_bytes(text) > 0
+    assert parse_bytes("80GiB") == 80 * 2**30
+    for text in ("", "GB", "80 parsecs", "-1GB", "0GB"):
+        with pytest.raises(ValueError, match="memory size"):
+            parse_bytes(text)
+
+
+def test_format_table_has_a_line_per_row(tnlg_17b):
+    rows = [estimate_memory(tnlg_17b, world_size=n, stage=3, offload_optimizer="cpu") for n in (8, 64)]
+    table = format_table(rows)
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(rows)
+    assert "device" in lines[0] and "opt" in lines[2]
+    assert f"{rows[0].device_bytes / GB:.2f}" in lines[2]
+
+
+def test_script_prints_both_presets(capsys):
+    from scripts.estimate_memory import main
+
+    main([])
+    out = capsys.readouterr().out
+    assert "tnlg-17b" in out and "mt-nlg-530b" in out
+    assert out.count("stage  ranks") == 2
+
+
+def test_script_prints_smallest_world_sizes(capsys):
+    from scripts.estimate_memory import main
+
+    main(
+        [
+            "--preset",
+            "tnlg-17b",
+            "--stages",
+            "1,3",
+            "--world-sizes",
+            "8",
+            "--offload",
+            "--device-memory",
+            "80GB",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "smallest world size fitting 80.0 GB" in out and "stage 3:" in out
+    assert "mt-nlg-530b" not in out

@@ -1,0 +1,218 @@
+"""The evaluations of scripts/evaluate.py on a saved checkpoint, in one process or distributed.
+
+- `perplexity` of a text with a sliding window, plus bits per byte. A data file (`DATA_SUFFIXES`:
+  json / jsonl / csv / parquet, and compressed json lines) gives the `text_field` of its rows joined
+  by blank lines; any other file (.txt, .md, .py, no suffix) is read as UTF-8 text, whole. A file that
+  is not UTF-8 (named with the byte offset), holds a NUL byte (binary), or is another compressed
+  file (.txt.gz: decompress it first) is refused rather than scored as something it is not;
+- `lambada`: last-word accuracy over a data file of passages (`text_field`);
+- `task`: a fine-tuning config's task on its validation rows (or another split): the references'
+  loss and ROUGE (summarization) or SQuAD EM / F1 (QA), with the config's generation settings.
+
+With several processes (`accelerate launch`, torchrun) the model is sharded by the ZeRO engine at
+`zero_stage` (inference only: each rank reads only its slices of the checkpoint under stage 3) and
+every evaluation splits its work across the ranks; results are gathered, the same on every rank.
+Results are written next to the checkpoint (`eval_results.json`, one entry per evaluation, merged
+with earlier ones) and printed as a table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tnlg.data.files import DamagedFileError, compression_of
+from tnlg.data.finetune import BUILDERS, encode_rows, load_rows
+from tnlg.eval.perplexity import last_word_accuracy, perplexity, split_last_word
+from tnlg.eval.tasks import target_loss, task_scores
+from tnlg.inference.distributed import init_process_group_from_environment, load_sharded_model
+from tnlg.inference.generation import load_model_and_tokenizer
+from tnlg.inference.ranks import rank_and_world
+from tnlg.run.finetune import pad_id, validation_rows
+from tnlg.run.finetune_config import FinetuneConfig
+from tnlg.sharding import ZeroConfig
+
+RESULTS_FILE = "eval_results.json"
+DATA_SUFFIXES = tuple(sorted(BUILDERS))  # the files read as rows of a text column, not as text
+
+
+def load_for_evaluation(
+    model_dir: str | Path,
+    zero_stage: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    zero_config: str | Path | None = None,
+) -> tuple[torch.nn.Module, Any]:
+    """The checkpoint whole in this process, or sharded across the launched ranks by the ZeRO engine
+    (`zero_config`, a ZeroConfig or DeepSpeed JSON, with `zero_stage` overriding its stage; stage 3
+    when several processes are launched and neither says otherwise)."""
+    distributed = init_process_group_from_environment()
+    if distributed or zero_stage is not None or zero_config is not None:
+        config = ZeroConfig.coerce(zero_config) if zero_config is not None else ZeroConfig(stage=3)
+        if zero_stage is not None:
+            config = config.replace(stage=zero_stage)
+        return load_sharded_model(model_dir, config, dtype=dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return load_model_and_tokenizer(model_dir, dtype, device)
+
+
+def is_data_file(path: str | Path) -> bool:
+    return Path(path).name.endswith(DATA_SUFFIXES)
+
+
+def read_text(path: str | Path, text_field: str = "text") -> str:
+    """The text to score: a data file's `text_field` rows joined by blank lines, else the file as
+    UTF-8 text (see the module docstring)."""
+    path = Path(path)
+    if is_data_file(path):
+        return "\n\n".join(text_column(path, text_field))
+    if compression_of(path) is not None:
+        raise ValueError(
+            f"{path} is compressed but not a data file ({', '.join(DATA_SUFFIXES)}): decompress it to score "
+            "its text"
+        )
+    return read_plain_text(path)
+
+
+def read_plain_text(path: Path) -> str:
+    """The file as UTF-8 text; ValueError naming the file and the byte offset where it is not."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no file at {path}")
+    data = path.read_bytes()
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(
+            f"{path} has a NUL byte at offset {nul}: a binary file, not text (perplexity reads UTF-8 text, or the "
+            f"text column of a data file: {', '.join(DATA_SUFFIXES)})"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        bad = data[error.start : error.end]
+        raise ValueError(
+            f"{path} is not UTF-8 text: byte offset {error.start} ({bad!r}): {error.reason}"
+        ) from error
+
+
+def text_column(path: str | Path, text_field: str) -> list[str]:
+    """The `text_field` of a data file's rows; ValueError naming the row where it is not text."""
+    rows = load_rows(None, [str(path)], "train")
+    if text_field not in rows.column_names:
+        raise ValueError(f"{path} has no column {text_field!r}; columns: {rows.column_names}")
+    texts = rows.column(text_field)
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):  # str() would score the text "None" (or "5")
+            kind = "null" if text is None else f"{type(text).__name__} {text!r:.60}"
+            raise ValueError(f"{rows.origin(index)}: {text_field!r} is {kind}, not text")
+    return texts
+
+
+def evaluate_perplexity(
+    model, tokenizer, path: str | Path, *, max_length: int, stride: int | None, text_field: str = "text"
+) -> dict[str, Any]:
+    text = read_text(path, text_field)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < 2:
+        raise ValueError(f"{path} holds {len(ids)} token(s) of text: perplexity needs at least 2")
+    result = perplexity(
+        model, ids, max_length=max_length, stride=stride, text_bytes=len(text.encode("utf-8"))
+    )
+    return {"source": str(path), "max_length": max_length, "stride": stride or max_length, **result.as_dict()}
+
+
+def evaluate_lambada(model, tokenizer, path: str | Path, text_field: str = "text") -> dict[str, Any]:
+    if not is_data_file(path):
+        raise ValueError(
+            f"{path}: LAMBADA passages are read from a data file ({', '.join(DATA_SUFFIXES)}) with a "
+            f"{text_field!r} column"
+        )
+    passages = text_column(path, text_field)
+    for index, passage in enumerate(passages):
+        try:
+            split_last_word(passage)
+        except ValueError as error:
+            raise ValueError(f"{path} row {index}: {error}") from error
+    return {"source": str(path), **last_word_accuracy(model, tokenizer, passages).as_dict()}
+
+
+def evaluate_task(
+    model, tokenizer, config: FinetuneConfig, split: str | None = None, max_examples: int | None = None
+) -> dict[str, Any]:
+    """The config's task on `split` of its source (default: its validation data)."""
+    data, task = config.data, config.task.format()
+    limit = max_examples or config.evaluation.max_examples
+    rows = (
+        load_rows(data.dataset, data.paths, split, data.dataset_config) if split else validation_rows(config)
+    )
+    if rows is None:
+        raise ValueError(
+            "the config names no validation data (data.validation_split / validation_paths): pass --split"
+        )
+    examples = encode_rows(
+        rows, task, tokenizer, on_long_example="skip", max_examples=limit, where="evaluation"
+    )
+    scores = target_loss(model, examples, config.evaluation.batch_size, pad_id(tokenizer))
+    generation = config.evaluation.generation
+    scores |= task_scores(
+        model, tokenizer, rows, task, generation, batch_size=config.evaluation.batch_size,
+        max_examples=limit,
+    )  # fmt: skip
+    return {
+        "task": task.kind,
+        "split": split or "validation",
+        "generation": dataclasses.asdict(generation),
+        **scores,
+    }
+
+
+def results_path(model_dir: str | Path) -> Path | None:
+    """The checkpoint's eval_results.json, its earlier results checked readable (so that a damaged
+    file stops the run before the evaluations, not after them); None for a preset name (no directory
+    to write to)."""
+    if not Path(model_dir).is_dir():
+        return None
+    path = Path(model_dir) / RESULTS_FILE
+    _earlier_results(path)
+    return path
+
+
+def _earlier_results(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        existing = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DamagedFileError(
+            path, f"its earlier results are not valid JSON ({error}); move it away"
+        ) from error
+    if not isinstance(existing, dict):
+        raise DamagedFileError(
+            path, f"it holds a JSON {type(existing).__name__}, not an object; move it away"
+        )
+    return existing
+
+
+def save_results(path: Path, results: dict[str, dict[str, Any]]) -> Path:
+    """Merge `results` into `path` (from `results_path`); the main process only writes."""
+    if rank_and_world()[0] == 0:
+        path.write_text(json.dumps(_earlier_results(path) | results, indent=2))
+    return path
+
+
+def results_table(results: dict[str, dict[str, Any]]) -> str:
+    """evaluation | metric | value, numbers only (samples and settings stay in the JSON)."""
+    rows = [("evaluation", "metric", "value")]
+    for name, metrics in results.items():
+        for metric, value in metrics.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or metric == "max_length":
+                continue
+            shown = f"{value:.4g}" if isinstance(value, float) and math.isfinite(value) else str(value)
+            rows.append((name, metric, shown))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = [" | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "-+-".join("-" * width for width in widths))
+    return "\n".join(lines)

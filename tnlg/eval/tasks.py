@@ -1,0 +1,119 @@
+"""Fine-tuning evaluations, run distributed (each rank a slice, results gathered) or in one process.
+
+- `target_loss`: the validation examples' loss on their target tokens (teacher forcing), summed over
+  every rank's slice: the loss and perplexity of the references.
+- `task_scores`: generation from each validation prompt, then ROUGE-1/2/L (summarization) or SQuAD
+  exact match and F1 (question answering) against the references. A generation is cut at its first
+  line break (the targets are one line; an untrained model rambles on), as the GPT-2 paper cut its
+  TL;DR summaries.
+
+Under ZeRO stage 3 every forward pass is collective, so every rank runs the same number of them: a
+rank whose slice is shorter runs dummy batches with no weight, and generation keeps finished ranks
+stepping (tnlg.inference.distributed).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from tnlg.data.finetune import MAX_LOGGED_SKIPS, row_name
+from tnlg.data.tasks import IGNORE_INDEX, BadExampleError, TaskFormat, encode_prompt, pad_batch
+from tnlg.eval.text_metrics import rouge_scores, squad_scores
+from tnlg.inference.distributed import generate_on_ranks
+from tnlg.inference.generation import GenerationSettings
+from tnlg.inference.ranks import all_ranks_sum, model_device, rank_share
+
+logger = logging.getLogger(__name__)
+
+SAMPLES = 3  # predictions kept in the results, to read next to the scores
+
+
+@torch.no_grad()
+def target_loss(
+    model: torch.nn.Module,
+    examples: Sequence[Mapping[str, list[int]]],
+    batch_size: int,
+    pad_token_id: int,
+) -> dict[str, float]:
+    """{"eval_perplexity", "eval_loss"}: the mean loss of the examples' target tokens, over all ranks."""
+    if not examples:
+        raise ValueError("no examples to evaluate")
+    batches = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)]
+    device, was_training = model_device(model), model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64)  # [summed NLL, target tokens]
+    for chunk, weight in rank_share(batches):  # weight 0: a repeat that keeps this rank in step
+        batch = {k: v.to(device) for k, v in pad_batch(chunk, pad_token_id).items()}
+        loss = model(**batch).loss
+        targets = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+        if targets > 0:  # a batch with no target token has a loss of nan (0 / 0): it adds nothing
+            totals += weight * torch.stack([loss.double() * targets, targets.double()]).cpu()
+    model.train(was_training)
+    totals = all_ranks_sum(totals)
+    if totals[1] == 0:
+        raise ValueError(
+            f"the {len(examples)} examples have no target token after the first position to score"
+        )
+    mean = (totals[0] / totals[1]).item()
+    return {"eval_perplexity": math.exp(mean), "eval_loss": mean}
+
+
+def first_line(text: str) -> str:
+    return text.strip().split("\n", 1)[0].strip()
+
+
+def task_scores(
+    model: torch.nn.Module,
+    tokenizer,
+    rows: Any,
+    task: TaskFormat,
+    settings: GenerationSettings,
+    *,
+    batch_size: int = 8,
+    max_examples: int | None = None,
+) -> dict[str, Any]:
+    """The task's metric on the first `max_examples` rows that make an example, generated across the
+    ranks; every rank returns the same scores. Rows that cannot (a null or empty field: see
+    tnlg.data.tasks) are skipped, logged and counted as "skipped_rows": the training data policy
+    (`data.on_long_example`) has already refused them when it says "stop"."""
+    prompts, skipped = _prompts(rows, task, tokenizer, settings.max_new_tokens, max_examples)
+    count = len(prompts)
+    if count == 0:
+        raise ValueError(f"no rows to evaluate ({len(rows)} rows, {skipped} of them unusable)")
+    was_training = model.training
+    model.eval()
+    completions = generate_on_ranks(model, tokenizer, [p["input_ids"] for p in prompts], settings, batch_size)
+    model.train(was_training)
+    predictions = [first_line(c) for c in completions]
+    references = [p["references"] for p in prompts]
+    if task.kind == "summarization":
+        scores = rouge_scores(predictions, [r[0] for r in references])
+    else:
+        scores = squad_scores(predictions, references)
+    samples = [
+        {"prediction": p, "reference": r[0]} for p, r in zip(predictions[:SAMPLES], references, strict=False)
+    ]
+    return {"examples": count, **scores, **({"skipped_rows": skipped} if skipped else {}), "samples": samples}
+
+
+def _prompts(
+    rows: Any, task: TaskFormat, tokenizer, max_new_tokens: int, max_examples: int | None
+) -> tuple[list[dict[str, Any]], int]:
+    """The prompts of the first `max_examples` usable rows, and how many rows were skipped."""
+    prompts: list[dict[str, Any]] = []
+    skipped = 0
+    for index in range(len(rows)):
+        if max_examples is not None and len(prompts) >= max_examples:
+            break
+        try:
+            prompts.append(encode_prompt(rows[index], task, tokenizer, max_new_tokens))
+        except BadExampleError as error:
+            if skipped < MAX_LOGGED_SKIPS:
+                logger.warning("evaluation: skipping %s: %s", row_name(rows, index), error)
+            skipped += 1
+    return prompts, skipped

@@ -1,0 +1,3 @@
+"""Inference: loading a checkpoint with its tokenizer and generating (`generation`), generation
+sharded by the ZeRO engine across launched ranks (`distributed`), and the split of evaluation or
+generation work across ranks (`ranks`)."""

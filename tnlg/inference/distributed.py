@@ -1,0 +1,136 @@
+"""Batched generation on several ranks with a model sharded by the ZeRO engine (stage 3 included).
+
+    engine, tokenizer = load_sharded_model("ckpt", ZeroConfig(stage=3))  # each rank reads its slices
+    completions = generate_on_ranks(engine, tokenizer, prompts, GenerationSettings(max_new_tokens=64))
+
+Every rank gets the same prompt list, generates a contiguous share of it and returns all the
+completions, in prompt order. Under stage 3 every forward pass gathers parameters collectively, so
+the ranks must make the same number of `generate` calls and, within each, the same number of
+forward passes: a rank whose sequences hit EOS first, or that ran out of prompts, would otherwise
+stop calling forward and leave the others waiting in a gather forever. Hence `synced_gpus=True`
+(a finished rank keeps doing throwaway forward passes until every rank is done) and throwaway
+batches for ranks with fewer prompts. Stages 0-2 do not need it, and it costs them one tiny
+all-reduce per token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedTokenizerBase
+
+from tnlg.inference.generation import (
+    GenerationSettings,
+    Prompt,
+    check_vocabulary,
+    generate_batch,
+    generate_texts,
+    load_tokenizer_for,
+)
+from tnlg.inference.ranks import rank_slice
+from tnlg.modeling import TNLGForCausalLM
+from tnlg.sharding import ZeroConfig, ZeroEngine, initialize, meta_from_pretrained
+
+logger = logging.getLogger(__name__)
+
+MIXED_PRECISION = {torch.float32: "no", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def init_process_group_from_environment() -> bool:
+    """Join the process group a launcher (torchrun, `accelerate launch`) describes in the environment.
+
+    With `WORLD_SIZE` > 1: NCCL with this process on GPU `LOCAL_RANK` when CUDA is present, else gloo
+    on the CPU. Returns whether a process group is active (False for a plain single process).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return True
+
+
+def load_sharded_model(
+    model_dir: str | Path,
+    zero_config: ZeroConfig | Mapping[str, Any] | str | Path | None = None,
+    *,
+    tokenizer: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+) -> tuple[ZeroEngine, PreTrainedTokenizerBase]:
+    """A saved TNLG checkpoint sharded across the ranks for inference, and its tokenizer.
+
+    The model is built on the meta device from the checkpoint's config and each rank reads only its
+    slices of the safetensors (see [Note: pretrained shards]), so no rank ever holds the whole
+    model under stage 3. The engine is inference only (no optimizer, gradients or optimizer state).
+    `dtype` is the compute dtype (bf16/fp16 set the engine's mixed precision, overriding
+    `zero_config`'s); `device` defaults to the current CUDA device, else the CPU. The tokenizer is
+    `load_tokenizer_for(model_dir, tokenizer)`'s. Collective: every rank of the group must call it.
+    """
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(
+            f"{model_dir!r} is not a checkpoint directory: sharded loading reads a saved model's safetensors"
+        )
+    loaded = load_tokenizer_for(path, tokenizer)
+    config = ZeroConfig.coerce(zero_config)
+    if dtype is not None:
+        if dtype not in MIXED_PRECISION:
+            raise ValueError(f"dtype {dtype} is not one of {sorted(map(str, MIXED_PRECISION))}")
+        config = config.replace(mixed_precision=MIXED_PRECISION[dtype])
+    model = meta_from_pretrained(TNLGForCausalLM, path)
+    check_vocabulary(loaded, model.config.vocab_size)
+    engine = initialize(model, None, config, device=device)
+    return engine.eval(), loaded
+
+
+@torch.inference_mode()
+def generate_on_ranks(
+    model: ZeroEngine | TNLGForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Prompt],
+    settings: GenerationSettings | None = None,
+    batch_size: int = 8,
+) -> list[str]:
+    """Every prompt's completion, in prompt order, on every rank; each rank generates its share.
+
+    Collective: every rank of the default process group calls it with the same `prompts` (text or
+    token ids, as for `generate_texts`), `settings` and `batch_size`. `model` is a `ZeroEngine` (any
+    stage; it must shard over the default group, which `synced_gpus` synchronises on) or a plain
+    model replicated on every rank. Without a process group (or with one rank) this is
+    `generate_texts`. Sampling draws from each rank's own generator: seeding the ranks (differently,
+    or not) is the caller's choice.
+    """
+    settings = settings or GenerationSettings()
+    module = model.module if isinstance(model, ZeroEngine) else model
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return generate_texts(module, tokenizer, prompts, settings, batch_size)
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    start, end = rank_slice(len(prompts), rank, world_size)
+    mine = prompts[start:end]
+    # Rank 0 has the largest share (it starts at 0): every rank runs as many batches as it does.
+    largest = rank_slice(len(prompts), 0, world_size)[1]
+    batches = -(-largest // batch_size)
+    config = settings.to_generation_config(tokenizer)
+    completions: list[str] = []
+    for index in range(batches):
+        batch = mine[index * batch_size : (index + 1) * batch_size]
+        if batch:
+            completions.extend(generate_batch(module, tokenizer, batch, config, synced_gpus=True))
+        else:
+            # Out of prompts while the other ranks still gather parameters in every forward: keep
+            # stepping with them on a throwaway one-prompt batch.
+            generate_batch(module, tokenizer, prompts[:1], config, synced_gpus=True)
+    shares: list[list[str] | None] = [None] * world_size
+    dist.all_gather_object(shares, completions)
+    return [text for share in shares for text in share or []]

@@ -1,0 +1,170 @@
+"""Loading a TNLG model for inference and generating text in batches.
+
+Shared by `scripts/generate.py` and the evaluation code: a model comes either from a checkpoint
+directory (with its tokenizer when one was saved) or from a preset with random weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from tnlg.data.tokenizer import byte_level_tokenizer
+from tnlg.modeling import TNLGConfig, TNLGForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# A prompt is text, or token ids already encoded (e.g. truncated to fit the context window).
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How to decode: greedy by default; sampling when `do_sample`; beam search when `num_beams > 1`."""
+
+    max_new_tokens: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+    num_beams: int = 1
+    use_cache: bool = True
+
+    def to_generation_config(self, tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        sampling = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+        return GenerationConfig(
+            max_new_tokens=self.max_new_tokens,
+            do_sample=self.do_sample,
+            num_beams=self.num_beams,
+            use_cache=self.use_cache,
+            pad_token_id=tokenizer.pad_token_id
+            if tokenizer.pad_token_id is not None
+            else tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **(sampling if self.do_sample else {}),
+        )
+
+
+def load_model_and_tokenizer(
+    model: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    tokenizer: str | Path | None = None,
+) -> tuple[TNLGForCausalLM, PreTrainedTokenizerBase]:
+    """`model` is a checkpoint directory or a preset name (random weights).
+
+    The tokenizer is `load_tokenizer_for(model, tokenizer)`'s.
+    """
+    loaded = load_tokenizer_for(model, tokenizer)
+    if Path(model).is_dir():
+        network = TNLGForCausalLM.from_pretrained(model, dtype=dtype)
+    else:
+        config = TNLGConfig.from_preset(
+            str(model), bos_token_id=loaded.eos_token_id, eos_token_id=loaded.eos_token_id
+        )
+        logger.info("random %s model: %s", model, config.describe())
+        network = TNLGForCausalLM(config).to(dtype)
+    check_vocabulary(loaded, network.config.vocab_size)
+    return network.to(device).eval(), loaded
+
+
+BYTE_LEVEL = "byte-level"
+
+
+def load_tokenizer_for(model: str | Path, tokenizer: str | Path | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer to generate with from `model` (a checkpoint directory or a preset name), set up
+    for batched generation: padding on the left, EOS as the padding token when it has none.
+
+    It comes from `tokenizer` (a directory, or `byte-level`), else from the checkpoint directory; a
+    preset uses the byte-level tokenizer. A checkpoint saved without a tokenizer needs `tokenizer`:
+    guessing one would decode its ids into the wrong text.
+    """
+    path = Path(model)
+    if path.is_dir():
+        source = tokenizer or (path if _has_tokenizer(path) else None)
+        if source is None:
+            raise ValueError(
+                f"{path} holds no tokenizer files; pass a tokenizer directory (or 'byte-level' for a model "
+                "trained on the byte-level tokenizer)"
+            )
+    elif str(model) in TNLGConfig.presets():
+        source = tokenizer or BYTE_LEVEL
+    else:
+        raise ValueError(
+            f"{model!r} is neither a checkpoint directory nor a preset; presets: {sorted(TNLGConfig.presets())}"
+        )
+    loaded = byte_level_tokenizer() if str(source) == BYTE_LEVEL else AutoTokenizer.from_pretrained(source)
+    if loaded.pad_token is None:
+        loaded.pad_token = loaded.eos_token
+    loaded.padding_side = "left"  # decoder-only: new tokens must follow the prompt directly
+    return loaded
+
+
+def check_vocabulary(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    """A tokenizer with more ids than the model has embedding rows would index past them."""
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab_size} rows"
+        )
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
+@torch.inference_mode()
+def generate_texts(
+    model: TNLGForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Prompt],
+    settings: GenerationSettings = GenerationSettings(),
+    batch_size: int = 8,
+) -> list[str]:
+    """Continuations (without the prompt) of each prompt (text or token ids), decoded; batched with
+    left padding."""
+    config = settings.to_generation_config(tokenizer)
+    completions: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        completions.extend(generate_batch(model, tokenizer, prompts[start : start + batch_size], config))
+    return completions
+
+
+def generate_batch(
+    model: TNLGForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Prompt],
+    config: GenerationConfig,
+    synced_gpus: bool | None = None,
+) -> list[str]:
+    """One `generate` call over `prompts` (left padded), decoded without the prompts.
+
+    `synced_gpus=True` keeps this process running forward passes after its own sequences are done,
+    until every rank's are: what a model whose forward is collective (ZeRO stage 3) needs. None is
+    Transformers' default (on for DeepSpeed ZeRO-3 and FSDP models only).
+    """
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+        raise ValueError("batched generation pads with the tokenizer's pad or eos token; it has neither")
+    # Left padding whatever the tokenizer was set up for (a training tokenizer often pads right):
+    # new tokens must follow each prompt directly.
+    side, pad = tokenizer.padding_side, tokenizer.pad_token
+    tokenizer.padding_side = "left"
+    if pad is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    try:
+        if all(isinstance(prompt, str) for prompt in prompts):
+            batch = tokenizer(list(prompts), return_tensors="pt", padding=True)
+        else:
+            batch = tokenizer.pad({"input_ids": [list(prompt) for prompt in prompts]}, return_tensors="pt")
+    finally:
+        tokenizer.padding_side, tokenizer.pad_token = side, pad
+    batch = batch.to(model.device)
+    output = model.generate(**batch, generation_config=config, synced_gpus=synced_gpus)
+    new_tokens = output[:, batch["input_ids"].shape[1] :]
+    return tokenizer.batch_decode(new_tokens, skip_special_tokens=True)

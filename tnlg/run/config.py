@@ -1,0 +1,402 @@
+"""Typed run configurations: YAML files with dotted command-line overrides; unknown keys are errors.
+
+    config = load_run_config("configs/pretrain/debug.yaml", ["--train.max_steps", "20", "--zero.stage", "3"])
+
+Every section is a dataclass; a YAML key that is not a field (at any depth) raises naming its
+dotted path, and values are checked against the field's type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from tnlg.sharding import DeepSpeedConfig, ZeroConfig, load_deepspeed
+from tnlg.sharding.config import MIXED_PRECISIONS
+
+T = TypeVar("T")
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    """`preset` names a `TNLGConfig` preset; `overrides` change any of its fields. `init_from` starts
+    from a Transformers checkpoint directory (safetensors) instead of the seeded initialization:
+    its config.json is the architecture (`preset` is not used; `overrides` still apply), and each
+    rank reads only its shards of the weights."""
+
+    preset: str = "debug"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    init_from: str | None = None
+
+
+@dataclass(kw_only=True)
+class SourceSection:
+    """Files (`paths`, globs allowed) or a `datasets` name (`dataset`, a hub name or a local dataset
+    directory, with `dataset_config` and `split`), never both."""
+
+    name: str
+    paths: list[str] = field(default_factory=list)
+    dataset: str | None = None
+    dataset_config: str | None = None
+    split: str = "train"
+    weight: float = 1.0
+    text_field: str = "text"
+    pile_set_name: str | None = None
+
+
+@dataclass(kw_only=True)
+class PretokenizedSection:
+    """A corpus written by scripts/prepare_data.py (`prefix`.bin/.idx/.json) and its mixture weight."""
+
+    prefix: str
+    weight: float = 1.0
+
+
+@dataclass(kw_only=True)
+class DataSection:
+    """`pretokenized` corpora when given (the fast path for GPU runs), else streamed `sources`;
+    neither means the embedded Python corpus. `tokenizer` "default" means a byte-level BPE trained
+    on the embedded corpus with the model's vocabulary size (cached)."""
+
+    pretokenized: list[PretokenizedSection] = field(default_factory=list)
+    sources: list[SourceSection] = field(default_factory=list)
+    validation_sources: list[SourceSection] = field(default_factory=list)
+    tokenizer: str = "default"
+    seq_len: int = 128
+    shuffle_buffer: int = 256
+    on_bad_record: str = "skip"
+
+    def __post_init__(self) -> None:
+        require("data.seq_len", self.seq_len, self.seq_len >= 1, ">= 1")
+        require("data.shuffle_buffer", self.shuffle_buffer, self.shuffle_buffer >= 1, ">= 1")
+
+
+@dataclass(kw_only=True)
+class OptimizerSection:
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`."""
+
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        require("optimizer.lr", self.lr, self.lr >= 0, ">= 0 (0 freezes the weights)")
+        require("optimizer.weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0")
+        require(
+            "optimizer.betas",
+            self.betas,
+            len(self.betas) == 2 and all(0 <= beta < 1 for beta in self.betas),
+            "two numbers in [0, 1), e.g. [0.9, 0.95]",
+        )
+        require("optimizer.eps", self.eps, self.eps > 0, "> 0")
+        require("optimizer.warmup_steps", self.warmup_steps, self.warmup_steps >= 0, ">= 0")
+        require("optimizer.min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]")
+
+
+@dataclass(kw_only=True)
+class TrainSection:
+    micro_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    max_steps: int = 300
+    mixed_precision: str = "no"
+    eval_every: int = 100
+    eval_batches: int = 8
+    save_every: int = 0  # 0: only at the end
+    keep_last: int = 2
+    seed: int = 0
+    output_dir: str = "runs/pretrain"
+    peak_flops: float | None = None  # per device, for MFU; detected on known GPUs
+    on_nonfinite_loss: str = "stop"  # "stop": raise with the step and data position; "skip": drop the step
+    resume_fallback: bool = False  # --resume latest: a damaged newest checkpoint gives way to an older one
+    # A new run refuses an output_dir that already holds a run's files (checkpoints, model, loss
+    # curve) unless it resumes (--resume) or this is true, which deletes them first.
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (
+            "micro_batch_size",
+            "gradient_accumulation_steps",
+            "max_steps",
+            "eval_batches",
+            "keep_last",
+        ):
+            value = getattr(self, name)
+            require(f"train.{name}", value, value >= 1, ">= 1")
+        for name in ("eval_every", "save_every"):
+            value = getattr(self, name)
+            require(f"train.{name}", value, value >= 0, ">= 0 (0: never)")
+        choose("train.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        choose("train.on_nonfinite_loss", self.on_nonfinite_loss, ("stop", "skip"))
+        if self.peak_flops is not None:
+            require("train.peak_flops", self.peak_flops, self.peak_flops > 0, "> 0")
+
+
+@dataclass(kw_only=True)
+class LoggingSection:
+    """How often the progress bar shows the metrics, and the Accelerate trackers that record them.
+
+    `trackers: [auto]` means TensorBoard when it is installed, else none; `[]` means none; any
+    tracker Accelerate knows (tensorboard, wandb, mlflow, ...) can be named, and one that is not
+    installed is an error. Trackers write under `<train.output_dir>/logs/<project>`.
+    """
+
+    log_every: int = 10
+    trackers: list[str] = field(default_factory=lambda: ["auto"])
+    project: str = "tnlg"
+
+    def __post_init__(self) -> None:
+        require("logging.log_every", self.log_every, self.log_every >= 1, ">= 1")
+
+
+# A run's ZeRO stage when neither its config nor a DeepSpeed JSON names one: stage 2 shards gradients
+# and optimizer state at no extra communication over data parallelism (ZeroConfig's own default, 0, is
+# the engine's "shard nothing" starting point, not a sensible run).
+RUN_DEFAULT_STAGE = 2
+
+
+class _ZeroSectionBase:
+    """The run's `zero` section: `ZeroConfig`'s fields (see tnlg.sharding.config), each unset (None) unless
+    the YAML or an override gives it, plus `deepspeed: PATH` for a DeepSpeed-style JSON.
+
+    Unset fields take ZeroConfig's defaults, except `stage` (RUN_DEFAULT_STAGE). With `deepspeed`, the
+    JSON gives the settings and a field set here as well must agree with it: a disagreement is an error
+    naming both, never a silent winner. `mixed_precision` is not a field: it is `train.mixed_precision`.
+    """
+
+    deepspeed: str | None
+    moved_keys = {"mixed_precision": "train.mixed_precision"}
+
+    def __post_init__(self) -> None:
+        self.to_zero_config("no")  # every value checked when the config is read, not mid-run
+
+    def explicit(self) -> dict[str, Any]:
+        """The ZeroConfig fields this section sets."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if f.name != "deepspeed" and getattr(self, f.name) is not None
+        }
+
+    def to_zero_config(self, mixed_precision: str) -> ZeroConfig:
+        """The engine's config for a run at `mixed_precision` (train.mixed_precision)."""
+        return self.engine_settings(mixed_precision).zero
+
+    def engine_settings(self, mixed_precision: str) -> DeepSpeedConfig:
+        """What `ZeroAccelerator(zero_config=...)` takes: the ZeroConfig and, with `deepspeed`, the JSON's
+        training keys (its gradient accumulation and batch sizes, which the accelerator checks against
+        train.gradient_accumulation_steps and the world size)."""
+        explicit = self.explicit()
+        if self.deepspeed is None:
+            try:
+                zero = ZeroConfig(
+                    **{"stage": RUN_DEFAULT_STAGE, **explicit, "mixed_precision": mixed_precision}
+                )
+            except ValueError as error:
+                raise ValueError(f"zero: {error}") from error
+            return DeepSpeedConfig(zero, source="the run config's zero section")
+        settings = load_deepspeed(self.deepspeed, mixed_precision=mixed_precision).with_overrides(
+            explicit, {name: f"zero.{name}" for name in explicit}
+        )
+        if mixed_precision not in ("no", settings.zero.mixed_precision):
+            raise ValueError(
+                f"train.mixed_precision {mixed_precision} conflicts with {self.deepspeed}, which enables "
+                f"{settings.zero.mixed_precision}: set one of them to agree with the other"
+            )
+        # A run builds its AdamW and warmup-cosine schedule from the optimizer section; a second one from
+        # the JSON would be ignored or would fight it.
+        for section in ("optimizer", "scheduler"):
+            if getattr(settings.training, section) is not None:
+                raise ValueError(
+                    f"{self.deepspeed} has a {section!r} section, but a run builds its optimizer and schedule "
+                    f"from the run config's optimizer section: remove it from the JSON"
+                )
+        return settings
+
+
+ZeroSection = dataclasses.make_dataclass(
+    "ZeroSection",
+    [("deepspeed", str | None, field(default=None))]
+    + [
+        (f.name, hint | None, field(default=None))
+        for f in dataclasses.fields(ZeroConfig)
+        if f.name != "mixed_precision"
+        for hint in [typing.get_type_hints(ZeroConfig)[f.name]]
+    ],
+    bases=(_ZeroSectionBase,),
+    kw_only=True,
+)
+ZeroSection.__module__ = __name__  # make_dataclass's `module` argument needs Python 3.12
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    """The sections every training run has (tnlg.run.loop reads only these); `RunConfig` (pretraining)
+    and `FinetuneConfig` (tnlg.run.finetune_config) add their data and what else their job needs."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    zero: ZeroSection = field(default_factory=ZeroSection)  # type: ignore[valid-type]
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(kw_only=True)
+class RunConfig(TrainingConfig):
+    """A pretraining run: the shared sections plus the corpus (`data`)."""
+
+    data: DataSection = field(default_factory=DataSection)
+
+
+def require(name: str, value: Any, ok: bool, expected: str) -> None:
+    """Raise a ValueError naming the setting unless `ok`."""
+    if not ok:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def choose(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    require(name, value, value in allowed, f"one of {list(allowed)}")
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """A `RunConfig` from a YAML file (or the defaults) with `--section.key value` overrides applied."""
+    return load_config(RunConfig, path, overrides)
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | None = None) -> T:
+    """A `cls` config (a dataclass of sections) from a YAML file (or the defaults) with overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        loaded = read_yaml(Path(path))
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(
+                f"{path}: a run config must be a mapping of sections, got {type(loaded).__name__}"
+            )
+        raw = loaded or {}
+    for dotted, value in _pairs(overrides or []):
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            raise ValueError(
+                f"override --{dotted} {value!r} is not a YAML value: {_first_line(error)}"
+            ) from None
+        _set_dotted(raw, dotted, parsed)
+    return build(cls, raw, "")
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's contents; a missing, unreadable, binary or malformed file is one ValueError naming it."""
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    try:
+        return yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not a YAML file: not UTF-8 text (byte {error.start})") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path} is not valid YAML: {_first_line(error)}") from None
+
+
+def _first_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+def _pairs(arguments: list[str]) -> list[tuple[str, str]]:
+    pairs, index = [], 0
+    while index < len(arguments):
+        key = arguments[index]
+        if not key.startswith("--"):
+            raise ValueError(f"expected an override like --train.max_steps 20, got {key!r}")
+        if "=" in key:
+            name, value = key[2:].split("=", 1)
+            index += 1
+        else:
+            if index + 1 >= len(arguments):
+                raise ValueError(f"override {key} has no value")
+            name, value = key[2:], arguments[index + 1]
+            index += 2
+        pairs.append((name, value))
+    return pairs
+
+
+def _set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        target = target.setdefault(part, {})
+        if not isinstance(target, dict):
+            raise ValueError(f"override --{dotted}: {part} is not a section")
+    target[leaf] = value
+
+
+def build(cls: type, raw: Any, path: str) -> Any:
+    """`cls` (a dataclass) from a mapping, recursively; errors name the dotted path of the key."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path or 'config'}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        where = f"{path}." if path else ""
+        moved = getattr(cls, "moved_keys", {}).get(unknown[0])
+        close = difflib.get_close_matches(str(unknown[0]), sorted(known), n=1)
+        hint = f" (it is {moved})" if moved else f" (did you mean {where}{close[0]}?)" if close else ""
+        raise ValueError(
+            f"unknown config key {where}{unknown[0]}{hint}; {path or 'the config'} has: {sorted(known)}"
+        )
+    values = {
+        name: _convert(hints[name], value, f"{path}.{name}" if path else name) for name, value in raw.items()
+    }
+    return cls(**values)
+
+
+def _convert(hint: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, path)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(option, value, path)
+            except ValueError as error:
+                errors.append(str(error))
+        raise ValueError(errors[0])
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{path}: expected a list, got {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # YAML reads 1e-3 (no decimal point) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if hint in (int, float, str, bool) and not (
+        isinstance(value, hint) and not (hint is int and isinstance(value, bool))
+    ):
+        raise ValueError(f"{path}: expected {hint.__name__}, got {value!r}")
+    return value

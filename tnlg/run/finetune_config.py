@@ -1,0 +1,121 @@
+"""The fine-tuning run config: the pretraining sections (model, zero, optimizer, train, logging) plus
+the task, its data, LoRA and the generation-based evaluation. Same YAML + `--section.key value`
+overrides as pretraining (tnlg.run.config), with unknown keys refused by their dotted path.
+
+    config = load_finetune_config("configs/finetune/summarization.yaml", ["--train.max_steps", "50"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tnlg.data.tasks import TaskFormat
+from tnlg.inference.generation import GenerationSettings
+from tnlg.run.config import LoggingSection, TrainingConfig, TrainSection, load_config
+
+# The projections LoRA adapts by default: every Linear of the attention and MLP blocks (the output
+# layer is tied to the embedding and left alone).
+DEFAULT_LORA_TARGETS = ("qkv_proj", "out_proj", "fc_in", "fc_out")
+EMBEDDED_DEFAULT = "embedded:docstrings"
+
+
+@dataclass(kw_only=True)
+class TaskSection:
+    """A `tnlg.data.tasks.TaskFormat`: the task kind, the dataset's column names for its fields,
+    prompt / target templates (default: the kind's), and how a long example is cut."""
+
+    kind: str = "summarization"
+    columns: dict[str, str] = field(default_factory=dict)
+    prompt_template: str | None = None
+    target_template: str | None = None
+    max_length: int = 512
+    truncation_side: str = "right"
+    add_eos: bool = True
+
+    def format(self) -> TaskFormat:
+        return TaskFormat(**dataclasses.asdict(self))
+
+    def __post_init__(self) -> None:
+        self.format()  # validates the kind, the columns and the truncation side now, not mid-run
+
+
+@dataclass(kw_only=True)
+class FinetuneDataSection:
+    """Where the examples come from: `dataset` (a hub name when reachable, a local `save_to_disk`
+    directory, a `datasets` builder such as json/csv/parquet used with `paths`, or an embedded set:
+    "embedded:docstrings", "embedded:qa") or local `paths` alone (the builder from their extension);
+    neither means the embedded docstring set with its validation split. `validation_split` names the
+    held-out split of the same source; `validation_paths` are files.
+
+    `packing` puts several examples in each `task.max_length` row, each attending only to itself
+    (positions restart per example); otherwise batches are padded to their longest example.
+    `on_long_example`: "stop" refuses the first row that cannot make an example (its target does not
+    fit; a field that is null, not text or empty; a SQuAD row without answers), naming its file and
+    row; "skip" drops such rows, counted by reason in the log.
+    """
+
+    dataset: str | None = None
+    dataset_config: str | None = None
+    paths: list[str] = field(default_factory=list)
+    split: str = "train"
+    validation_split: str | None = None
+    validation_paths: list[str] = field(default_factory=list)
+    max_examples: int | None = None
+    tokenizer: str = "default"
+    packing: bool = False
+    on_long_example: str = "stop"
+
+    def __post_init__(self) -> None:
+        if self.dataset is None and not self.paths:  # neither: the embedded docstring set
+            self.dataset = EMBEDDED_DEFAULT
+            if self.validation_split is None and not self.validation_paths:
+                self.validation_split = "validation"
+        if self.paths and self.validation_split:
+            raise ValueError(
+                "data.validation_split names a split of data.dataset; files in data.paths have none: give "
+                "the held-out files as data.validation_paths"
+            )
+        if self.on_long_example not in ("stop", "skip"):
+            raise ValueError(f"data.on_long_example must be 'stop' or 'skip', got {self.on_long_example!r}")
+
+
+@dataclass(kw_only=True)
+class LoraSection:
+    """LoRA through peft: low-rank adapters on `target_modules`, the model's own weights frozen."""
+
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+
+
+@dataclass(kw_only=True)
+class EvaluationSection:
+    """The task metric (ROUGE for summarization, SQuAD EM/F1 for QA) on up to `max_examples`
+    validation examples, generated `batch_size` at a time on each rank; `before_training` scores
+    the starting model too."""
+
+    max_examples: int = 64
+    batch_size: int = 8
+    before_training: bool = False
+    after_training: bool = True
+    generation: GenerationSettings = field(default_factory=GenerationSettings)  # greedy, beams, sampling
+
+
+@dataclass(kw_only=True)
+class FinetuneConfig(TrainingConfig):
+    """A fine-tuning run: the shared sections plus the task, its data, LoRA and the evaluation."""
+
+    task: TaskSection = field(default_factory=TaskSection)
+    data: FinetuneDataSection = field(default_factory=FinetuneDataSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    train: TrainSection = field(default_factory=lambda: TrainSection(output_dir="runs/finetune"))
+    evaluation: EvaluationSection = field(default_factory=EvaluationSection)
+    logging: LoggingSection = field(default_factory=lambda: LoggingSection(project="finetune"))
+
+
+def load_finetune_config(path: str | Path | None, overrides: list[str] | None = None) -> FinetuneConfig:
+    return load_config(FinetuneConfig, path, overrides)

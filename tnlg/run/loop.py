@@ -1,0 +1,275 @@
+"""The training loop that pretraining (tnlg.run.pretrain) and fine-tuning (tnlg.run.finetune) share.
+
+    run = build_run(config, job, resume)     # accelerator, tokenizer, sharded model, optimizer, data
+    metrics = train_step(run, batches, step)  # one optimizer step over the accumulation micro-batches
+    result = train(config, job, resume)      # build, every step with its logging / evaluation /
+                                             # checkpoint, then the final model
+
+A `TrainingJob` says what is trained on and how it is evaluated; the config (a `TrainingConfig`) says
+how. Nothing here knows whether the batches are packed corpus rows or task examples.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import ProjectConfiguration
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from tnlg.accelerate import ZeroAccelerator
+from tnlg.modeling import TNLGConfig
+from tnlg.run.build import check_init_from, meta_model, model_config, run_tokenizer
+from tnlg.run.checkpoint import RunCheckpointer
+from tnlg.run.config import TrainingConfig
+from tnlg.run.launch_checks import check_ranks_run_the_same_job
+from tnlg.run.metrics import LossCurve, flat_hyperparameters, peak_flops_per_device, tracker_names
+from tnlg.run.optim import build_optimizer, build_schedule
+from tnlg.run.output import check_output_directory, remove_run_files
+from tnlg.sharding import ZeroEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingJob:
+    """What a run trains on, around the loop that pretraining and fine-tuning share.
+
+    `tokenizer` is the run's `data.tokenizer` (see tnlg.run.build.run_tokenizer). `batches(tokenizer,
+    rank, world)` is this rank's endless, resumable batch iterable (it has `state_dict` /
+    `load_state_dict`); `evaluate(model, tokenizer, accelerator)` gives metrics every `train.eval_every`
+    steps; `build_model(architecture)` returns the module to shard (by default the model on the meta
+    device, which the engine reads from `model.init_from` shard by shard when set);
+    `save_model(accelerator, model, tokenizer, directory)` writes the final model (by default a
+    Transformers checkpoint); `final_evaluation(model, tokenizer, accelerator)` runs after the last
+    step (with `evaluate_after`) and before the first (with `evaluate_before`), its metrics returned
+    under "evaluation".
+    """
+
+    name: str
+    seq_len: int
+    batches: Callable[[PreTrainedTokenizerBase, int, int], Any]
+    tokenizer: str = "default"
+    evaluate: Callable[[nn.Module, PreTrainedTokenizerBase, Any], dict[str, float]] | None = None
+    build_model: Callable[[TNLGConfig], nn.Module] | None = None
+    save_model: Callable[[Any, nn.Module, PreTrainedTokenizerBase, Path], None] | None = None
+    final_evaluation: Callable[[nn.Module, PreTrainedTokenizerBase, Any], dict[str, Any]] | None = None
+    evaluate_before: bool = False
+    evaluate_after: bool = True
+
+
+@dataclass
+class Run:
+    """A built run: everything `train_step` and `train` work with."""
+
+    config: TrainingConfig
+    job: TrainingJob
+    accelerator: ZeroAccelerator
+    engine: ZeroEngine  # the prepared model
+    optimizer: Any  # the accelerator's wrapper around the engine's step
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    tokenizer: PreTrainedTokenizerBase
+    architecture: TNLGConfig
+    stream: Any  # the job's batches for this rank
+    checkpointer: RunCheckpointer
+    output: Path
+    start_step: int = 0
+    curve: LossCurve | None = None
+    peak_flops: float | None = None  # per device, for MFU (None: not reported)
+    nonfinite_steps: int = 0
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = None) -> Run:
+    """The accelerator, the tokenizer, the sharded model with its optimizer and schedule, this rank's
+    batches, and (with `resume`) everything restored from a checkpoint."""
+    train_section = config.train
+    check_init_from(config.model.init_from)
+    output = Path(train_section.output_dir)
+    previous_run = check_output_directory(output, resume, train_section.overwrite)
+    accelerator = ZeroAccelerator(
+        zero_config=config.zero.engine_settings(train_section.mixed_precision),
+        mixed_precision=train_section.mixed_precision,
+        gradient_accumulation_steps=train_section.gradient_accumulation_steps,
+        log_with=tracker_names(config.logging.trackers) or None,
+        project_config=ProjectConfiguration(project_dir=str(output), logging_dir=str(output / "logs")),
+    )
+    check_ranks_run_the_same_job(config.to_dict())
+    if previous_run and accelerator.is_main_process:  # train.overwrite: the old run goes first
+        remove_run_files(output, previous_run)
+    accelerator.wait_for_everyone()
+    accelerator.init_trackers(config.logging.project, config=flat_hyperparameters(config.to_dict()))
+    tokenizer = run_tokenizer(job.tokenizer, config.model)
+    architecture = model_config(config.model, tokenizer, job.seq_len)
+    model = (job.build_model or meta_model)(architecture)
+    optimizer = build_optimizer(model, config.optimizer)
+    # The scheduler is stepped by the loop once per optimizer step (Accelerate's wrapper would step it
+    # once per process, for loops whose step counts assume one process), so it is not prepared.
+    scheduler = build_schedule(optimizer, config.optimizer, train_section.max_steps)
+    engine, optimizer = accelerator.prepare_engine(
+        model,
+        optimizer,
+        init_seed=train_section.seed,
+        # the default model is built on the meta device: each rank reads its shards of init_from
+        pretrained=config.model.init_from if job.build_model is None else None,
+    )
+    run = Run(
+        config=config,
+        job=job,
+        accelerator=accelerator,
+        engine=engine,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        tokenizer=tokenizer,
+        architecture=architecture,
+        stream=job.batches(tokenizer, accelerator.process_index, accelerator.num_processes),
+        checkpointer=RunCheckpointer(
+            output / "checkpoints", keep_last=train_section.keep_last, accelerator=accelerator
+        ),
+        output=output,
+        curve=LossCurve(),
+        peak_flops=train_section.peak_flops
+        or peak_flops_per_device(accelerator.device, train_section.mixed_precision),
+    )
+    if resume is not None:
+        restored = run.checkpointer.load(resume, engine, scheduler, fallback=train_section.resume_fallback)
+        run.start_step, run.curve = restored["step"], restored["curve"]
+        run.stream.load_state_dict(restored["data"])
+        logger.info("resumed from %s at step %d", restored["path"], run.start_step)
+    return run
+
+
+def train_step(run: Run, batches: Iterator[dict[str, torch.Tensor]], step: int) -> dict[str, float]:
+    """Optimizer step `step + 1`: `train.gradient_accumulation_steps` micro-batches from `batches`, one
+    reduction of the loss and token count, the step (or, with a non-finite mean loss, the
+    `train.on_nonfinite_loss` policy), the schedule; returns the step's metrics."""
+    accelerator, train_section = run.accelerator, run.config.train
+    accumulation = train_section.gradient_accumulation_steps
+    started = time.perf_counter()
+    totals = torch.zeros(2, device=accelerator.device)  # [mean loss, tokens]: one collective per step
+    for _ in range(accumulation):
+        batch = {k: v.to(accelerator.device) for k, v in next(batches).items()}
+        with accelerator.accumulate(run.engine):
+            loss = run.engine(**batch).loss
+            accelerator.backward(loss)
+            totals[0] += loss.detach() / accumulation
+            totals[1] += batch["input_ids"].numel()
+            if accelerator.sync_gradients:
+                # Every rank gets the same mean, so all of them take the same decision below.
+                reduced = accelerator.reduce(totals, "sum")
+                mean_loss, step_tokens = reduced[0].item() / accelerator.num_processes, reduced[1].item()
+                finite = math.isfinite(mean_loss)
+                if finite:
+                    run.optimizer.step()
+                else:
+                    run.nonfinite_steps += 1
+                    _handle_nonfinite_loss(run, step + 1, mean_loss)
+            run.optimizer.zero_grad()  # a skipped step's gradients are dropped here
+    if finite:
+        run.scheduler.step()
+    tokens_per_second = step_tokens / (time.perf_counter() - started)
+    metrics = {
+        "loss": mean_loss,
+        "lr": run.scheduler.get_last_lr()[0],
+        "tokens_per_s": tokens_per_second,
+        "grad_norm": run.engine.get_global_grad_norm(),
+        "loss_scale": run.engine.loss_scale,
+        "memory_mb": run.engine.memory_stats()["total"] / 2**20,
+        "nonfinite_steps": run.nonfinite_steps,
+    }
+    if run.peak_flops:
+        flops_per_token = run.architecture.flops_per_token(run.job.seq_len)
+        metrics["mfu"] = flops_per_token * tokens_per_second / (run.peak_flops * accelerator.num_processes)
+    return {k: v for k, v in metrics.items() if v is not None}
+
+
+def _handle_nonfinite_loss(run: Run, step: int, loss: float) -> None:
+    """`train.on_nonfinite_loss`: "skip" drops the step (counted in `nonfinite_steps`), "stop" raises
+    with the step and this rank's data position, so the batch can be found and inspected."""
+    if run.config.train.on_nonfinite_loss == "skip":
+        logger.warning("step %d: the mean loss is %s; the step is skipped", step, loss)
+        return
+    raise NonFiniteLossError(
+        f"step {step}: the mean loss over the ranks is {loss} (train.on_nonfinite_loss=stop). Rank "
+        f"{run.accelerator.process_index}'s data position after this step's batches: "
+        f"{json.dumps(run.stream.state_dict())}. Resume from the last checkpoint with "
+        "--train.on_nonfinite_loss skip to step over it, or inspect that data."
+    )
+
+
+def train(config: TrainingConfig, job: TrainingJob, resume: str | None = None) -> dict[str, Any]:
+    """Build the run, train to `train.max_steps` (logging, evaluating and checkpointing at their
+    cadences), then save the model; returns the losses, the model's directory and the evaluation."""
+    run = build_run(config, job, resume)
+    evaluation: dict[str, Any] = {}
+    if job.final_evaluation is not None and job.evaluate_before and run.start_step == 0:
+        evaluation["before"] = job.final_evaluation(run.engine, run.tokenizer, run.accelerator)
+    progress = tqdm(
+        total=config.train.max_steps,
+        initial=run.start_step,
+        disable=not run.accelerator.is_main_process,
+        desc=job.name,
+        dynamic_ncols=True,
+    )
+    run.engine.train()
+    batches = iter(run.stream)
+    for step in range(run.start_step, config.train.max_steps):
+        metrics = train_step(run, batches, step)
+        run.curve.add(step + 1, metrics["loss"])
+        run.accelerator.log(metrics, step=step + 1)
+        progress.update(1)
+        if (step + 1) % config.logging.log_every == 0 or step == run.start_step:
+            progress.set_postfix({k: f"{v:.3g}" for k, v in metrics.items()}, refresh=False)
+        _after_step(run, step + 1, progress)
+    progress.close()
+    if job.final_evaluation is not None and job.evaluate_after:
+        evaluation["after"] = job.final_evaluation(run.engine, run.tokenizer, run.accelerator)
+    return _finish(run, evaluation)
+
+
+def _after_step(run: Run, step: int, progress: tqdm) -> None:
+    """The periodic evaluation (`train.eval_every`) and checkpoint (`train.save_every`) after `step`."""
+    train_section, accelerator = run.config.train, run.accelerator
+    if run.job.evaluate is not None and train_section.eval_every and step % train_section.eval_every == 0:
+        results = run.job.evaluate(run.engine, run.tokenizer, accelerator)
+        if results:
+            run.curve.add_eval(step, next(iter(results.values())))
+            accelerator.log(results, step=step)
+            if accelerator.is_main_process:
+                progress.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in results.items()))
+    if train_section.save_every and step % train_section.save_every == 0:
+        run.checkpointer.save(
+            step, run.engine, run.scheduler, run.stream.state_dict(), run.config.to_dict(), run.curve
+        )
+
+
+def _finish(run: Run, evaluation: dict[str, Any]) -> dict[str, Any]:
+    """The final model, the loss curve, the run config and the evaluation, written into the output
+    directory; then the trackers (and the process group) are closed."""
+    accelerator, final = run.accelerator, run.output / "model"
+    if run.job.save_model is not None:
+        run.job.save_model(accelerator, run.engine, run.tokenizer, final)
+    else:
+        accelerator.save_model(run.engine, final, max_shard_size="2GB")
+        if accelerator.is_main_process:
+            run.tokenizer.save_pretrained(final)
+    if accelerator.is_main_process:
+        run.curve.save(run.output)
+        (run.output / "run_config.json").write_text(json.dumps(run.config.to_dict(), indent=2))
+        if evaluation:
+            (run.output / "evaluation.json").write_text(json.dumps(evaluation, indent=2))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # closes the trackers (and the process group: nothing collective after it)
+    return {"losses": run.curve.losses, "model": str(final), "evaluation": evaluation}

@@ -1,0 +1,79 @@
+"""Pretraining: the run loop (tnlg.run.loop) on a packed token stream, evaluated by validation perplexity.
+
+The stream is the configured corpora (`data.sources`, streamed and packed; or `data.pretokenized`
+memmaps), else the embedded default corpus; the validation perplexity reads `data.validation_sources`
+(the embedded corpus's validation split by default; none when a corpus is configured without them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tnlg.data.corpus import embedded_corpus
+from tnlg.data.pretokenized import PretokenizedCorpus, PretokenizedStream
+from tnlg.data.sources import SourceConfig
+from tnlg.data.stream import StreamConfig, TokenStream
+from tnlg.eval.perplexity import batch_perplexity
+from tnlg.run.config import DataSection, RunConfig
+from tnlg.run.loop import TrainingJob, train
+
+
+def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
+    """Train per `config`; returns the losses logged (main process) and where the model was saved."""
+
+    def evaluate(model, tokenizer, accelerator) -> dict[str, float]:
+        settings = stream_config(config.data, config.train.seed, "validation")
+        if settings is None:
+            return {}
+        rank, world = accelerator.process_index, accelerator.num_processes
+        stream = TokenStream(settings, tokenizer, config.train.micro_batch_size, rank, world)
+        return {"eval_perplexity": batch_perplexity(model, stream, config.train.eval_batches, accelerator)}
+
+    job = TrainingJob(
+        name="pretraining",
+        seq_len=config.data.seq_len,
+        tokenizer=config.data.tokenizer,
+        batches=lambda tokenizer, rank, world: training_stream(config, tokenizer, rank, world),
+        evaluate=evaluate,
+    )
+    return train(config, job, resume)
+
+
+def stream_config(data: DataSection, seed: int, split: str) -> StreamConfig | None:
+    sections = data.sources if split == "train" else data.validation_sources
+    if sections:
+        # The config section has SourceConfig's fields (lists where SourceConfig keeps tuples).
+        sources = tuple(SourceConfig(**{**dataclasses.asdict(s), "paths": tuple(s.paths)}) for s in sections)
+    elif split == "validation" and (data.sources or data.pretokenized):
+        return None  # a configured corpus without validation sources: no evaluation on unrelated text
+    else:
+        sources = tuple(
+            SourceConfig(name=p.name.split(".")[0], paths=(str(p),)) for p in embedded_corpus().files(split)
+        )
+    buffer = data.shuffle_buffer if split == "train" else 1
+    return StreamConfig(
+        sources=sources,
+        seq_len=data.seq_len,
+        seed=seed,
+        shuffle_buffer=buffer,
+        on_bad_record=data.on_bad_record,
+    )
+
+
+def training_stream(config: RunConfig, tokenizer, rank: int, world: int):
+    """Pre-tokenized corpora when configured, else the streaming pipeline."""
+    data, train = config.data, config.train
+    if data.pretokenized:
+        corpora = [PretokenizedCorpus(p.prefix, data.seq_len) for p in data.pretokenized]
+        for corpus in corpora:
+            if corpus.meta["vocab_size"] > len(tokenizer):
+                raise ValueError(
+                    f"{corpus.prefix} was tokenized with {corpus.meta['vocab_size']} tokens, the tokenizer has "
+                    f"{len(tokenizer)}"
+                )
+        weights = [p.weight for p in data.pretokenized]
+        return PretokenizedStream(corpora, weights, train.micro_batch_size, train.seed, rank, world)
+    return TokenStream(
+        stream_config(data, train.seed, "train"), tokenizer, train.micro_batch_size, rank, world
+    )
