@@ -361,22 +361,12 @@ def build(cls: type, raw: Any, path: str) -> Any:
 
 
 def _convert(hint: Any, value: Any, path: str) -> Any:
+    """`value` as the field's type `hint` (a section, an optional, a list, a mapping or a scalar)."""
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
         return build(hint, value, path)
     if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _convert(option, value, path)
-            except ValueError as error:
-                errors.append(str(error))
-        raise ValueError(errors[0])
+        return _convert_union(typing.get_args(hint), value, path)
     if origin is list:
         if not isinstance(value, list):
             raise ValueError(f"{path}: expected a list, got {value!r}")
@@ -388,6 +378,25 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
         return dict(value)
     if hint is Any:
         return value
+    return _convert_scalar(hint, value, path)
+
+
+def _convert_union(options: tuple[Any, ...], value: Any, path: str) -> Any:
+    """The first option `value` converts to; None where the union allows it; else the first error."""
+    if value is None and type(None) in options:
+        return None
+    errors = []
+    for option in options:
+        if option is type(None):
+            continue
+        try:
+            return _convert(option, value, path)
+        except ValueError as error:
+            errors.append(str(error))
+    raise ValueError(errors[0])
+
+
+def _convert_scalar(hint: Any, value: Any, path: str) -> Any:
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, str):
