@@ -125,46 +125,80 @@ def bench_adam(numel: int, device: torch.device, repeats: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- model kernels
+GradientsOf = Callable[
+    [bool], tuple[torch.Tensor, ...]
+]  # run(fused) -> the gradients of one forward + backward
+
+
 def bench_model_kernels(rows: int, width: int, vocab: int, device: torch.device, repeats: int) -> list[str]:
-    dtype = torch.bfloat16
     generator = torch.Generator().manual_seed(1)
-    lines = [
+    table = KernelTable(device, repeats)
+    # Each case draws its inputs when it is built: built one after the other, as they are timed.
+    table.compare("Triton LayerNorm", "F.layer_norm", layer_norm_case(rows, width, device, generator))
+    table.compare("Triton bias + GeLU", "F.gelu(x + b, tanh)", bias_gelu_case(rows, width, device, generator))
+    table.compare(
+        "chunked LM head + cross-entropy",
+        "LM head + F.cross_entropy (fp32 logits)",
+        cross_entropy_case(rows, width, vocab, device, generator),
+    )
+    return [
         f"### Model kernels, bf16, {rows} tokens, hidden {width}, vocabulary {vocab} (forward + backward)",
         "",
+        "| kernel | ms | vs torch | peak MiB |",
+        "|---|---|---|---|",
+        *table.lines,
     ]
-    lines += ["| kernel | ms | vs torch | peak MiB |", "|---|---|---|---|"]
 
-    def measure(name, run, baseline=None):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-        seconds = timed(run, device, repeats)
-        peak = f"{(torch.cuda.max_memory_allocated() - before) / 2**20:.0f}" if device.type == "cuda" else ""
-        lines.append(f"| {name} | {seconds * 1e3:.3f} | {(baseline or seconds) / seconds:.2f}x | {peak} |")
-        return seconds
 
-    x = (torch.randn(rows, width, generator=generator) * 2).to(device, dtype).requires_grad_()
-    weight = torch.randn(width, generator=generator).to(device, dtype).requires_grad_()
-    bias = torch.randn(width, generator=generator).to(device, dtype).requires_grad_()
-    upstream = torch.randn(rows, width, generator=generator).to(device, dtype)
+class KernelTable:
+    """Rows of the model kernels' table: each fused kernel checked against torch's, then both timed."""
 
-    def compare(name: str, torch_name: str, run: Callable[[bool], tuple[torch.Tensor, ...]]) -> None:
+    def __init__(self, device: torch.device, repeats: int):
+        self.device, self.repeats = device, repeats
+        self.lines: list[str] = []
+
+    def compare(self, name: str, torch_name: str, run: GradientsOf) -> None:
         """`run(fused)` returns the gradients: checked against torch's, then both timed."""
         errors = [relative_error(a, b) for a, b in zip(run(True), run(False), strict=True)]
         check(name, max(errors), 2e-2)
-        base = measure(torch_name, lambda: run(False))
-        measure(f"tnlg {name}", lambda: run(True), base)
+        base = self.measure(torch_name, lambda: run(False))
+        self.measure(f"tnlg {name}", lambda: run(True), base)
+
+    def measure(self, name: str, run: Callable[[], object], baseline: float | None = None) -> float:
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        seconds = timed(run, self.device, self.repeats)
+        peak = f"{(torch.cuda.max_memory_allocated() - before) / 2**20:.0f}" if cuda else ""
+        self.lines.append(
+            f"| {name} | {seconds * 1e3:.3f} | {(baseline or seconds) / seconds:.2f}x | {peak} |"
+        )
+        return seconds
+
+
+def _bf16(generator: torch.Generator, *shape: int, device: torch.device, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=generator) * scale).to(device, torch.bfloat16)
+
+
+def layer_norm_case(rows: int, width: int, device: torch.device, generator: torch.Generator) -> GradientsOf:
+    x = _bf16(generator, rows, width, device=device, scale=2).requires_grad_()
+    weight = _bf16(generator, width, device=device).requires_grad_()
+    bias = _bf16(generator, width, device=device).requires_grad_()
+    upstream = _bf16(generator, rows, width, device=device)
 
     def layer_norm(fused: bool):
         y = fused_ops.layer_norm(x, weight, bias, 1e-5, "triton" if fused else "none")
         return torch.autograd.grad(y, (x, weight, bias), upstream)
 
-    compare("Triton LayerNorm", "F.layer_norm", layer_norm)
+    return layer_norm
 
-    wide = (torch.randn(rows, 4 * width, generator=generator) * 2).to(device, dtype).requires_grad_()
-    wide_bias = torch.randn(4 * width, generator=generator).to(device, dtype).requires_grad_()
-    wide_upstream = torch.randn(rows, 4 * width, generator=generator).to(device, dtype)
+
+def bias_gelu_case(rows: int, width: int, device: torch.device, generator: torch.Generator) -> GradientsOf:
+    wide = _bf16(generator, rows, 4 * width, device=device, scale=2).requires_grad_()
+    wide_bias = _bf16(generator, 4 * width, device=device).requires_grad_()
+    wide_upstream = _bf16(generator, rows, 4 * width, device=device)
 
     def gelu(fused: bool):
         if fused:
@@ -173,10 +207,14 @@ def bench_model_kernels(rows: int, width: int, vocab: int, device: torch.device,
             y = F.gelu(wide + wide_bias, approximate="tanh")
         return torch.autograd.grad(y, (wide, wide_bias), wide_upstream)
 
-    compare("Triton bias + GeLU", "F.gelu(x + b, tanh)", gelu)
+    return gelu
 
-    hidden = torch.randn(rows, width, generator=generator).to(device, dtype).requires_grad_()
-    head = (torch.randn(vocab, width, generator=generator) * 0.02).to(device, dtype).requires_grad_()
+
+def cross_entropy_case(
+    rows: int, width: int, vocab: int, device: torch.device, generator: torch.Generator
+) -> GradientsOf:
+    hidden = _bf16(generator, rows, width, device=device).requires_grad_()
+    head = _bf16(generator, vocab, width, device=device, scale=0.02).requires_grad_()
     targets = torch.randint(0, vocab, (rows,), generator=generator).to(device)
 
     def cross_entropy(fused: bool):
@@ -186,8 +224,7 @@ def bench_model_kernels(rows: int, width: int, vocab: int, device: torch.device,
             loss = F.cross_entropy((hidden @ head.T).float(), targets)
         return torch.autograd.grad(loss, (hidden, head))
 
-    compare("chunked LM head + cross-entropy", "LM head + F.cross_entropy (fp32 logits)", cross_entropy)
-    return lines
+    return cross_entropy
 
 
 # ---------------------------------------------------------------------------- training step

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from tnlg.data.finetune import load_rows, validation_rows
 from tnlg.eval.suite import (
     evaluate_lambada,
     evaluate_perplexity,
@@ -36,11 +37,39 @@ from tnlg.eval.suite import (
 )
 from tnlg.inference.ranks import rank_and_world
 from tnlg.run.cli import configure_logging, exit_on_input_error
-from tnlg.run.finetune_config import load_finetune_config
+from tnlg.run.finetune_config import FinetuneConfig, load_finetune_config
 
 logger = logging.getLogger("evaluate")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def evaluate_config_task(
+    model, tokenizer, config: FinetuneConfig, split: str | None, max_examples: int | None
+) -> dict:
+    """The config's task on `split` of its source (default: its validation data), with its
+    evaluation settings; `max_examples` overrides evaluation.max_examples."""
+    data, evaluation = config.data, config.evaluation
+    if split:
+        rows = load_rows(data.dataset, data.paths, split, data.dataset_config)
+    else:
+        rows = validation_rows(
+            data.dataset, data.validation_paths, data.validation_split, data.dataset_config
+        )
+    if rows is None:
+        raise ValueError(
+            "the config names no validation data (data.validation_split / validation_paths): pass --split"
+        )
+    return evaluate_task(
+        model,
+        tokenizer,
+        rows,
+        config.task.format(),
+        evaluation.generation,
+        batch_size=evaluation.batch_size,
+        max_examples=max_examples or evaluation.max_examples,
+        split=split or "validation",
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -91,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
             model, tokenizer, args.lambada, args.text_field
         )
     if config is not None:
-        results[f"task:{config.task.kind}"] = evaluate_task(
+        results[f"task:{config.task.kind}"] = evaluate_config_task(
             model, tokenizer, config, args.split, args.max_examples
         )
     if rank_and_world()[0] == 0:

@@ -24,7 +24,8 @@ from tnlg.inference.distributed import (
     init_process_group_from_environment,
     load_sharded_model,
 )
-from tnlg.inference.generation import GenerationSettings, generate_texts, load_model_and_tokenizer
+from tnlg.inference.generation import generate_texts, load_model_and_tokenizer
+from tnlg.inference.settings import GenerationSettings
 from tnlg.run.cli import exit_on_input_error
 from tnlg.sharding import ZeroConfig
 

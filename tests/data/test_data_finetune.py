@@ -17,6 +17,7 @@ from tnlg.data.finetune import (
     encode_rows,
     load_rows,
     pack_examples,
+    validation_rows,
 )
 from tnlg.data.tasks import IGNORE_INDEX, TaskFormat, pad_batch
 from tnlg.data.tokenizer import byte_level_tokenizer
@@ -53,6 +54,17 @@ def test_local_files_of_every_format_load_through_the_column_mapping(tmp_path, t
         t for t, label in zip(first["input_ids"], first["labels"], strict=True) if label != IGNORE_INDEX
     ]
     assert tokenizer.decode(target) == " summary 0" + tokenizer.eos_token
+
+
+def test_validation_files_are_read_whatever_the_training_set(tmp_path):
+    """The default training set is embedded; validation files given with it are still the files (not
+    the embedded set's rows, which an embedded dataset name would otherwise select)."""
+    from tnlg.run.finetune_config import FinetuneDataSection
+
+    held_out = write(tmp_path / "held_out.jsonl", ROWS[:3], "jsonl")
+    data = FinetuneDataSection(validation_paths=[str(held_out)])
+    rows = validation_rows(data.dataset, data.validation_paths, data.validation_split, data.dataset_config)
+    assert data.dataset.startswith("embedded:") and rows.column("article") == [r["article"] for r in ROWS[:3]]
 
 
 def test_unknown_suffixes_and_mixed_formats_are_refused():

@@ -19,7 +19,7 @@ from tnlg.data.tokenizer import byte_level_tokenizer
 from tnlg.eval.perplexity import LastWordResult, PerplexityResult
 from tnlg.eval.suite import evaluate_lambada, evaluate_perplexity, read_text
 from tnlg.eval.tasks import target_loss, task_scores
-from tnlg.inference.generation import GenerationSettings
+from tnlg.inference.settings import GenerationSettings
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,9 @@ from tests.support import REPO
 from tnlg import TNLGConfig, TNLGForCausalLM
 from tnlg.data.tokenizer import byte_level_tokenizer
 from tnlg.inference.distributed import generate_on_ranks, load_sharded_model
-from tnlg.inference.generation import GenerationSettings, generate_texts, load_model_and_tokenizer
+from tnlg.inference.generation import generate_texts, load_model_and_tokenizer
 from tnlg.inference.ranks import rank_slice
+from tnlg.inference.settings import GenerationSettings
 from tnlg.sharding import ZeroConfig
 from tnlg.tools.spawn import free_port, run_distributed
 

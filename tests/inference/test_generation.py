@@ -7,13 +7,9 @@ import torch
 from transformers import GenerationConfig
 
 from tnlg import TNLGConfig, TNLGForCausalLM
-from tnlg.data.tokenizer import byte_level_tokenizer
-from tnlg.inference.generation import (
-    GenerationSettings,
-    generate_texts,
-    load_model_and_tokenizer,
-    load_tokenizer_for,
-)
+from tnlg.data.tokenizer import END_OF_TEXT, byte_level_tokenizer, load_tokenizer
+from tnlg.inference.generation import generate_texts, load_model_and_tokenizer, load_tokenizer_for
+from tnlg.inference.settings import GenerationSettings
 
 
 @pytest.fixture
@@ -119,6 +115,24 @@ def test_load_tokenizer_for_pads_on_the_left_with_eos(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no tokenizer"):
         load_tokenizer_for(tmp_path / "empty")
+
+
+def test_the_one_loader_resolves_a_models_tokenizer(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    byte_level_tokenizer(eos_token="<|end|>").save_pretrained(checkpoint)
+    assert load_tokenizer(model=checkpoint).eos_token == "<|end|>"  # the checkpoint's own
+    assert load_tokenizer(checkpoint).eos_token == "<|end|>"  # or named as a directory
+    assert load_tokenizer("byte-level", model=checkpoint).eos_token == END_OF_TEXT  # a named one wins
+    assert load_tokenizer(model="debug").eos_token == END_OF_TEXT  # a preset: byte-level
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no tokenizer files"):
+        load_tokenizer(model=tmp_path / "empty")
+    with pytest.raises(ValueError, match="neither a checkpoint directory nor a preset"):
+        load_tokenizer(checkpoint, model="no-such-model")
+    with pytest.raises(FileNotFoundError, match="no tokenizer directory at gpt2"):
+        load_tokenizer("gpt2", model="debug")  # a hub name: nothing is downloaded
+    with pytest.raises(ValueError, match="no tokenizer to load"):
+        load_tokenizer()
 
 
 def test_tokenizer_too_large_for_the_model_is_refused(tmp_path):

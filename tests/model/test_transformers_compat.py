@@ -87,7 +87,7 @@ def test_gpt2_with_default_token_ids_outside_a_small_vocabulary_converts(caplog)
     gpt2 = GPT2LMHeadModel(gpt2_config).eval()
     with caplog.at_level(logging.WARNING, logger="tnlg.tools.convert.gpt2"):
         tnlg = from_gpt2(gpt2)
-    assert tnlg.run.config.bos_token_id is None and tnlg.run.config.eos_token_id is None
+    assert tnlg.config.bos_token_id is None and tnlg.config.eos_token_id is None
     assert "eos_token_id 50256 is outside its vocabulary of 100 tokens" in caplog.text
     ids = torch.randint(0, 100, (2, 9))
     with torch.no_grad():

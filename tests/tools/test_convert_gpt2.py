@@ -86,7 +86,7 @@ def test_untied_output_layer_is_kept():
     with torch.no_grad():
         gpt2.lm_head.weight.copy_(torch.randn_like(gpt2.lm_head.weight) * 0.02)
     tnlg = from_gpt2(gpt2)
-    assert not tnlg.run.config.tie_word_embeddings
+    assert not tnlg.config.tie_word_embeddings
     input_ids = torch.randint(0, VOCAB, (1, 10))
     torch.testing.assert_close(tnlg(input_ids).logits, gpt2(input_ids).logits, atol=1e-5, rtol=0)
 

@@ -39,7 +39,7 @@ def test_tensor_parallel_shards_merge_to_gpt2(gpt2, style, tp):
     tnlg = from_megatron(
         [shards[(rank, 0)] for rank in range(tp)], num_attention_heads=HEADS, vocab_size=VOCAB
     )
-    assert tnlg.run.config.vocab_size == VOCAB and tnlg.run.config.tie_word_embeddings
+    assert tnlg.config.vocab_size == VOCAB and tnlg.config.tie_word_embeddings
     assert_same_function(tnlg, gpt2)
 
 
@@ -69,13 +69,13 @@ def test_checkpoint_directory_with_tensor_and_pipeline_parallelism(tmp_path, gpt
     save_megatron_checkpoint(shards, tmp_path, num_heads=HEADS)
     # Heads and epsilon come from the saved args; the padded vocabulary (384 rows) is trimmed.
     tnlg = from_megatron(tmp_path, vocab_size=VOCAB)
-    assert tnlg.run.config.num_hidden_layers == 4 and tnlg.run.config.tie_word_embeddings
+    assert tnlg.config.num_hidden_layers == 4 and tnlg.config.tie_word_embeddings
     assert_same_function(tnlg, gpt2)
 
 
 def test_padded_vocabulary_is_kept_without_vocab_size(gpt2):
     tnlg = from_megatron(megatron_shards(gpt2)[(0, 0)], num_attention_heads=HEADS)
-    assert tnlg.run.config.vocab_size == 384
+    assert tnlg.config.vocab_size == 384
     input_ids = torch.randint(0, VOCAB, (1, 10))
     torch.testing.assert_close(tnlg(input_ids).logits[..., :VOCAB], gpt2(input_ids).logits, atol=1e-5, rtol=0)
 

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from tnlg.modeling import TNLGConfig
+from tnlg.sharding import ZeroConfig
 from tnlg.tools.memory import (
     GB,
     _layer_tensor_sizes,
@@ -175,6 +176,25 @@ def test_bad_inputs_raise_naming_the_argument(tnlg_17b, kwargs, name):
     arguments = {"world_size": 8, "stage": 3, **kwargs}
     with pytest.raises(ValueError, match=name):
         estimate_memory(tnlg_17b, **arguments)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"stage": 4},
+        {"stage": 2.0},
+        {"stage": 3, "mixed_precision": "fp8"},
+        {"stage": 0, "offload_optimizer": "cpu"},
+        {"stage": 2, "offload_param": "cpu"},
+        {"stage": 3, "param_persistence_threshold": -1},
+    ],
+)
+def test_zero_settings_are_refused_with_the_engines_own_message(tnlg_17b, settings):
+    with pytest.raises(ValueError) as engine:
+        ZeroConfig(**settings)
+    with pytest.raises(ValueError) as estimator:
+        estimate_memory(tnlg_17b, world_size=8, **settings)
+    assert str(estimator.value) == str(engine.value)
 
 
 def test_other_bad_inputs_raise():

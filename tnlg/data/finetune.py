@@ -1,6 +1,6 @@
 """Fine-tuning data: rows from any `datasets` source → encoded examples → resumable batches per rank.
 
-Sources (tnlg.run.finetune_config.FinetuneDataSection): local json / jsonl / csv / parquet files, a
+Sources (the fine-tuning config's `data` section): local json / jsonl / csv / parquet files, a
 `datasets` builder with `data_files`, a local `save_to_disk` directory, a hub dataset (when the hub is
 reachable), or an embedded example set ("embedded:docstrings", "embedded:qa"; no download).
 
@@ -144,6 +144,24 @@ def load_rows(
     if len(loaded) == 0:
         raise ValueError(f"{name} holds no rows: no examples")
     return Rows(loaded, [(name, len(loaded))])
+
+
+def validation_rows(
+    dataset: str | None,
+    validation_paths: Sequence[str],
+    validation_split: str | None,
+    dataset_config: str | None = None,
+) -> Rows | None:
+    """The held-out rows: the `validation_paths` files (read with `dataset` as their builder when it
+    is one), else the `validation_split` of `dataset`; None when neither is given."""
+    if validation_paths:
+        # An embedded set is no builder for files: read them by their extension (passing it on would
+        # score the embedded training rows in place of the files).
+        builder = None if dataset is not None and dataset.startswith(EMBEDDED_PREFIX) else dataset
+        return load_rows(builder, validation_paths, "train", dataset_config)
+    if validation_split:
+        return load_rows(dataset, [], validation_split, dataset_config)
+    return None
 
 
 def data_files(paths: Sequence[str]) -> list[Path]:

@@ -1,6 +1,7 @@
 """The project's one tokenizer module: the byte-level tokenizer that needs no training or download,
 byte-level BPEs trained with `tokenizers` (saved as Transformers tokenizer directories), and
-`load_tokenizer`, the one loader every script and run uses.
+`load_tokenizer`, the one loader every script, run, evaluation and generation uses: a tokenizer by name
+or directory, or a model's own (its checkpoint directory's; byte-level for a preset).
 
 `byte_level_tokenizer()` maps every byte to one token (256 tokens plus end-of-text), so any text
 round-trips exactly with no trained merges: what a freshly initialised model uses when no trained
@@ -19,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 logger = logging.getLogger(__name__)
 
 END_OF_TEXT = "<|endoftext|>"
+BYTE_LEVEL = "byte-level"  # the name that loads `byte_level_tokenizer()`
 
 
 def byte_level_tokenizer(eos_token: str = END_OF_TEXT) -> PreTrainedTokenizerFast:
@@ -78,16 +80,64 @@ def train_byte_level_bpe(
     return as_transformers_tokenizer(tokenizer)
 
 
-def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
-    """`byte-level` for the 257-token byte tokenizer, else a local Transformers tokenizer directory."""
-    if str(name_or_path) == "byte-level":
+def load_tokenizer(
+    name_or_path: str | Path | None = None, *, model: str | Path | None = None
+) -> PreTrainedTokenizerBase:
+    """The one tokenizer loader: `byte-level` for the 257-token byte tokenizer, else a local
+    Transformers tokenizer directory (a run downloads nothing).
+
+    With `model` (a checkpoint directory or a preset name) the name may be left out: it is then the
+    model's own tokenizer (see `tokenizer_source`), and `model` is checked to be one of the two.
+    """
+    source = tokenizer_source(model, name_or_path) if model is not None else name_or_path
+    if not source:
+        raise ValueError("no tokenizer to load: give a tokenizer directory or 'byte-level', or a model")
+    if str(source) == BYTE_LEVEL:
         return byte_level_tokenizer()
-    path = Path(name_or_path)
+    path = Path(source)
     if not path.is_dir():
-        raise FileNotFoundError(f"no tokenizer directory at {path} (and it is not 'byte-level')")
+        raise FileNotFoundError(f"no tokenizer directory at {path} (and it is not {BYTE_LEVEL!r})")
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.eos_token_id is None:
         raise ValueError(
-            f"the tokenizer in {path} has no eos_token: documents cannot be separated when packed"
+            f"the tokenizer in {path} has no eos_token: documents cannot be separated when packed, "
+            "nor a generation ended"
         )
     return tokenizer
+
+
+def tokenizer_source(model: str | Path, tokenizer: str | Path | None = None) -> str | Path:
+    """Where `model`'s tokenizer comes from: `tokenizer` (a directory, or `byte-level`) when given,
+    else the checkpoint directory itself; a preset (random weights) uses the byte-level tokenizer.
+
+    A checkpoint saved without a tokenizer needs `tokenizer`: guessing one would decode its ids into
+    the wrong text. `model` that is neither a directory nor a preset is a ValueError.
+    """
+    # Here, not at the top: only this rule needs the model's presets, and the tokenizer module (which
+    # GenerationSettings uses) stays importable without the model.
+    from tnlg.modeling import TNLGConfig
+
+    path = Path(model)
+    if path.is_dir():
+        if not tokenizer and not has_tokenizer(path):
+            raise ValueError(
+                f"{path} holds no tokenizer files; pass a tokenizer directory (or {BYTE_LEVEL!r} for a model "
+                "trained on the byte-level tokenizer)"
+            )
+        return tokenizer or path
+    if str(model) in TNLGConfig.presets():
+        return tokenizer or BYTE_LEVEL
+    raise ValueError(
+        f"{model!r} is neither a checkpoint directory nor a preset; presets: {sorted(TNLGConfig.presets())}"
+    )
+
+
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether a checkpoint directory holds a saved tokenizer (fast `tokenizer.json`, or the
+    `tokenizer_config.json` every Transformers tokenizer saves)."""
+    return any((Path(directory) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id batches are padded with: the tokenizer's pad token, else EOS (GPT-2's has no pad token)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

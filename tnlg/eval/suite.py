@@ -6,8 +6,9 @@
   is not UTF-8 (named with the byte offset), holds a NUL byte (binary), or is another compressed
   file (.txt.gz: decompress it first) is refused rather than scored as something it is not;
 - `lambada`: last-word accuracy over a data file of passages (`text_field`);
-- `task`: a fine-tuning config's task on its validation rows (or another split): the references'
-  loss and ROUGE (summarization) or SQuAD EM / F1 (QA), with the config's generation settings.
+- `task`: a fine-tuning task on rows (scripts/evaluate.py passes a config's validation rows, or
+  another split, and its generation settings): the references' loss and ROUGE (summarization) or
+  SQuAD EM / F1 (QA).
 
 With several processes (`accelerate launch`, torchrun) the model is sharded by the ZeRO engine at
 `zero_stage` (inference only: each rank reads only its slices of the checkpoint under stage 3) and
@@ -27,14 +28,14 @@ from typing import Any
 import torch
 
 from tnlg.data.files import DamagedFileError, compression_of
-from tnlg.data.finetune import BUILDERS, encode_rows, load_rows
+from tnlg.data.finetune import BUILDERS, Rows, encode_rows, load_rows
+from tnlg.data.tasks import TaskFormat
 from tnlg.eval.perplexity import last_word_accuracy, perplexity, split_last_word
-from tnlg.eval.tasks import target_loss, task_scores
+from tnlg.eval.tasks import task_metrics
 from tnlg.inference.distributed import init_process_group_from_environment, load_sharded_model
 from tnlg.inference.generation import load_model_and_tokenizer
 from tnlg.inference.ranks import rank_and_world
-from tnlg.run.finetune import pad_id, validation_rows
-from tnlg.run.finetune_config import FinetuneConfig
+from tnlg.inference.settings import GenerationSettings
 from tnlg.sharding import ZeroConfig
 
 RESULTS_FILE = "eval_results.json"
@@ -139,34 +140,28 @@ def evaluate_lambada(model, tokenizer, path: str | Path, text_field: str = "text
     return {"source": str(path), **last_word_accuracy(model, tokenizer, passages).as_dict()}
 
 
+# Rows, task format and generation settings, not a FinetuneConfig: eval sits below tnlg.run (which
+# imports it) and must not import it back. scripts/evaluate.py turns a fine-tuning config into these.
 def evaluate_task(
-    model, tokenizer, config: FinetuneConfig, split: str | None = None, max_examples: int | None = None
+    model,
+    tokenizer,
+    rows: Rows,
+    task: TaskFormat,
+    settings: GenerationSettings,
+    *,
+    batch_size: int,
+    max_examples: int | None,
+    split: str = "validation",
 ) -> dict[str, Any]:
-    """The config's task on `split` of its source (default: its validation data)."""
-    data, task = config.data, config.task.format()
-    limit = max_examples or config.evaluation.max_examples
-    rows = (
-        load_rows(data.dataset, data.paths, split, data.dataset_config) if split else validation_rows(config)
-    )
-    if rows is None:
-        raise ValueError(
-            "the config names no validation data (data.validation_split / validation_paths): pass --split"
-        )
+    """The `task` on `rows` (the `split` named in the results): the references' loss and the task
+    metric of generations with `settings`, over the first `max_examples` rows that make an example."""
     examples = encode_rows(
-        rows, task, tokenizer, on_long_example="skip", max_examples=limit, where="evaluation"
+        rows, task, tokenizer, on_long_example="skip", max_examples=max_examples, where="evaluation"
     )
-    scores = target_loss(model, examples, config.evaluation.batch_size, pad_id(tokenizer))
-    generation = config.evaluation.generation
-    scores |= task_scores(
-        model, tokenizer, rows, task, generation, batch_size=config.evaluation.batch_size,
-        max_examples=limit,
-    )  # fmt: skip
-    return {
-        "task": task.kind,
-        "split": split or "validation",
-        "generation": dataclasses.asdict(generation),
-        **scores,
-    }
+    scores = task_metrics(
+        model, tokenizer, rows, examples, task, settings, batch_size=batch_size, max_examples=max_examples
+    )
+    return {"task": task.kind, "split": split, "generation": dataclasses.asdict(settings), **scores}
 
 
 def results_path(model_dir: str | Path) -> Path | None:

@@ -6,6 +6,7 @@
   exact match and F1 (question answering) against the references. A generation is cut at its first
   line break (the targets are one line; an untrained model rambles on), as the GPT-2 paper cut its
   TL;DR summaries.
+- `task_metrics`: both, as the fine-tuning run's final evaluation and scripts/evaluate.py report them.
 
 Under ZeRO stage 3 every forward pass is collective, so every rank runs the same number of them: a
 rank whose slice is shorter runs dummy batches with no weight, and generation keeps finished ranks
@@ -23,10 +24,11 @@ import torch
 
 from tnlg.data.finetune import MAX_LOGGED_SKIPS, row_name
 from tnlg.data.tasks import IGNORE_INDEX, BadExampleError, TaskFormat, encode_prompt, pad_batch
+from tnlg.data.tokenizer import pad_id
 from tnlg.eval.text_metrics import rouge_scores, squad_scores
 from tnlg.inference.distributed import generate_on_ranks
-from tnlg.inference.generation import GenerationSettings
 from tnlg.inference.ranks import all_ranks_sum, model_device, rank_share
+from tnlg.inference.settings import GenerationSettings
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,25 @@ def task_scores(
         {"prediction": p, "reference": r[0]} for p, r in zip(predictions[:SAMPLES], references, strict=False)
     ]
     return {"examples": count, **scores, **({"skipped_rows": skipped} if skipped else {}), "samples": samples}
+
+
+def task_metrics(
+    model: torch.nn.Module,
+    tokenizer,
+    rows: Any,
+    examples: Sequence[Mapping[str, list[int]]],
+    task: TaskFormat,
+    settings: GenerationSettings,
+    *,
+    batch_size: int,
+    max_examples: int | None,
+) -> dict[str, Any]:
+    """What a fine-tuned model is judged by, after training and in scripts/evaluate.py alike: the
+    references' loss on `examples` (`rows` encoded) and the task metric of generations from `rows`."""
+    loss = target_loss(model, examples, batch_size, pad_id(tokenizer))
+    return loss | task_scores(
+        model, tokenizer, rows, task, settings, batch_size=batch_size, max_examples=max_examples
+    )
 
 
 def _prompts(

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from tnlg.inference.generation import (
-    GenerationSettings,
     Prompt,
     check_vocabulary,
     generate_batch,
@@ -34,6 +33,7 @@ from tnlg.inference.generation import (
     load_tokenizer_for,
 )
 from tnlg.inference.ranks import rank_slice
+from tnlg.inference.settings import GenerationSettings
 from tnlg.modeling import TNLGForCausalLM
 from tnlg.sharding import ZeroConfig, ZeroEngine, initialize, meta_from_pretrained
 

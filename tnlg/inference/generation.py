@@ -8,48 +8,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from tnlg.data.tokenizer import byte_level_tokenizer
+from tnlg.data.tokenizer import load_tokenizer
+from tnlg.inference.settings import GenerationSettings
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
 
 logger = logging.getLogger(__name__)
 
 # A prompt is text, or token ids already encoded (e.g. truncated to fit the context window).
 Prompt = str | list[int]
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    """How to decode: greedy by default; sampling when `do_sample`; beam search when `num_beams > 1`."""
-
-    max_new_tokens: int = 32
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 50
-    top_p: float = 1.0
-    num_beams: int = 1
-    use_cache: bool = True
-
-    def to_generation_config(self, tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
-        sampling = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
-        return GenerationConfig(
-            max_new_tokens=self.max_new_tokens,
-            do_sample=self.do_sample,
-            num_beams=self.num_beams,
-            use_cache=self.use_cache,
-            pad_token_id=tokenizer.pad_token_id
-            if tokenizer.pad_token_id is not None
-            else tokenizer.eos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            **(sampling if self.do_sample else {}),
-        )
 
 
 def load_model_and_tokenizer(
@@ -75,32 +46,11 @@ def load_model_and_tokenizer(
     return network.to(device).eval(), loaded
 
 
-BYTE_LEVEL = "byte-level"
-
-
 def load_tokenizer_for(model: str | Path, tokenizer: str | Path | None = None) -> PreTrainedTokenizerBase:
-    """The tokenizer to generate with from `model` (a checkpoint directory or a preset name), set up
-    for batched generation: padding on the left, EOS as the padding token when it has none.
-
-    It comes from `tokenizer` (a directory, or `byte-level`), else from the checkpoint directory; a
-    preset uses the byte-level tokenizer. A checkpoint saved without a tokenizer needs `tokenizer`:
-    guessing one would decode its ids into the wrong text.
-    """
-    path = Path(model)
-    if path.is_dir():
-        source = tokenizer or (path if _has_tokenizer(path) else None)
-        if source is None:
-            raise ValueError(
-                f"{path} holds no tokenizer files; pass a tokenizer directory (or 'byte-level' for a model "
-                "trained on the byte-level tokenizer)"
-            )
-    elif str(model) in TNLGConfig.presets():
-        source = tokenizer or BYTE_LEVEL
-    else:
-        raise ValueError(
-            f"{model!r} is neither a checkpoint directory nor a preset; presets: {sorted(TNLGConfig.presets())}"
-        )
-    loaded = byte_level_tokenizer() if str(source) == BYTE_LEVEL else AutoTokenizer.from_pretrained(source)
+    """`load_tokenizer(tokenizer, model=model)` (the tokenizer named, else the checkpoint's own, else
+    byte-level for a preset) set up for batched generation: padding on the left, EOS as the padding
+    token when it has none."""
+    loaded = load_tokenizer(tokenizer, model=model)
     if loaded.pad_token is None:
         loaded.pad_token = loaded.eos_token
     loaded.padding_side = "left"  # decoder-only: new tokens must follow the prompt directly
@@ -115,21 +65,17 @@ def check_vocabulary(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> Non
         )
 
 
-def _has_tokenizer(path: Path) -> bool:
-    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
-
-
 @torch.inference_mode()
 def generate_texts(
     model: TNLGForCausalLM,
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[Prompt],
-    settings: GenerationSettings = GenerationSettings(),
+    settings: GenerationSettings | None = None,
     batch_size: int = 8,
 ) -> list[str]:
     """Continuations (without the prompt) of each prompt (text or token ids), decoded; batched with
-    left padding."""
-    config = settings.to_generation_config(tokenizer)
+    left padding. `settings` defaults to greedy decoding (`GenerationSettings()`)."""
+    config = (settings or GenerationSettings()).to_generation_config(tokenizer)
     completions: list[str] = []
     for start in range(0, len(prompts), batch_size):
         completions.extend(generate_batch(model, tokenizer, prompts[start : start + batch_size], config))

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tnlg.data.corpus import cache_root, embedded_corpus
 from tnlg.data.pretokenized import read_texts
-from tnlg.data.tokenizer import load_tokenizer, train_byte_level_bpe
+from tnlg.data.tokenizer import has_tokenizer, load_tokenizer, train_byte_level_bpe
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
 from tnlg.run.config import ModelSection
 
@@ -34,12 +34,13 @@ def default_tokenizer(vocab_size: int) -> PreTrainedTokenizerBase:
 
 
 def run_tokenizer(name: str, model: ModelSection) -> PreTrainedTokenizerBase:
-    """The tokenizer `name` (`data.tokenizer`; see the module docs for "default")."""
+    """The tokenizer `name` (`data.tokenizer`, loaded by `load_tokenizer`; see the module docs for
+    "default")."""
     init_from = model.init_from
     if name != "default":
         return load_tokenizer(name)
-    if init_from and (Path(init_from) / "tokenizer.json").is_file():
-        return load_tokenizer(init_from)
+    if init_from and has_tokenizer(init_from):
+        return load_tokenizer(model=init_from)
     if init_from:
         return default_tokenizer(TNLGConfig.from_pretrained(init_from).vocab_size)
     return default_tokenizer(TNLGConfig.from_preset(model.preset, **model.overrides).vocab_size)

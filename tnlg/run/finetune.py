@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tnlg.data.finetune import FinetuneBatches, encode_rows, load_rows
-from tnlg.eval.tasks import target_loss, task_scores
+from tnlg.data.finetune import FinetuneBatches, encode_rows, load_rows, validation_rows
+from tnlg.data.tokenizer import pad_id
+from tnlg.eval.tasks import target_loss, task_metrics
 from tnlg.run.build import check_init_from
 from tnlg.run.finetune_config import FinetuneConfig
 from tnlg.run.loop import TrainingJob, train
@@ -23,88 +24,24 @@ from tnlg.run.lora import lora_model, save_lora_model
 logger = logging.getLogger(__name__)
 
 
-def validation_rows(config: FinetuneConfig):
-    """The held-out rows (a split of the source, or files), or None when none is configured."""
-    data = config.data
-    if data.validation_paths:
-        return load_rows(data.dataset, data.validation_paths, "train", data.dataset_config)
-    if data.validation_split:
-        return load_rows(data.dataset, [], data.validation_split, data.dataset_config)
-    return None
-
-
 def finetune(config: FinetuneConfig, resume: str | None = None) -> dict[str, Any]:
     """Fine-tune per `config`; returns the losses, the saved model's directory and the evaluation."""
-    data, task = config.data, config.task.format()
     check_init_from(config.model.init_from)  # before any data is read
-    settings = config.evaluation.generation
-    held_out = validation_rows(config)
-    if held_out is None:
+    examples = TaskExamples(config)
+    if examples.held_out is None:
         logger.warning("no validation data (data.validation_split / validation_paths): no evaluation")
-    cache: dict[str, Any] = {}
-
-    def tokenizer_examples(tokenizer, where: str, rows, limit: int | None):
-        if where not in cache:
-            cache[where] = encode_rows(
-                rows, task, tokenizer, on_long_example=data.on_long_example, max_examples=limit, where=where
-            )
-        return cache[where]
-
-    def batches(tokenizer, rank: int, world: int) -> FinetuneBatches:
-        rows = load_rows(data.dataset, data.paths, data.split, data.dataset_config)
-        logger.info("training rows: %d", len(rows))
-        if held_out is not None:  # a bad validation row stops the run now, not at its first evaluation
-            validation_examples(tokenizer, world, 0)
-        return FinetuneBatches(
-            tokenizer_examples(tokenizer, "train", rows, data.max_examples),
-            micro_batch_size=config.train.micro_batch_size,
-            rank=rank,
-            world_size=world,
-            seed=config.train.seed,
-            pad_token_id=pad_id(tokenizer),
-            packing=data.packing,
-            max_length=task.max_length,
-        )
-
-    def validation_examples(tokenizer, world: int, limit: int):
-        """The first `limit` encoded validation examples; encoded once, for both evaluations."""
-        periodic = config.train.eval_batches * config.train.micro_batch_size * world
-        encoded = tokenizer_examples(
-            tokenizer, "validation", held_out, max(periodic, config.evaluation.max_examples)
-        )
-        return encoded[:limit]
-
-    def evaluate(model, tokenizer, accelerator) -> dict[str, float]:
-        # `train.eval_batches` batches per rank, as in pretraining
-        limit = config.train.eval_batches * config.train.micro_batch_size * accelerator.num_processes
-        examples = validation_examples(tokenizer, accelerator.num_processes, limit)
-        return target_loss(model, examples, config.train.micro_batch_size, pad_id(tokenizer))
-
-    def final_evaluation(model, tokenizer, accelerator) -> dict[str, Any]:
-        # the references' loss (teacher forcing) and the generated predictions' scores
-        examples = validation_examples(tokenizer, accelerator.num_processes, config.evaluation.max_examples)
-        loss = target_loss(model, examples, config.evaluation.batch_size, pad_id(tokenizer))
-        return loss | task_scores(
-            model,
-            tokenizer,
-            held_out,
-            task,
-            settings,
-            batch_size=config.evaluation.batch_size,
-            max_examples=config.evaluation.max_examples,
-        )
-
-    lora = config.lora
+    evaluating = examples.held_out is not None
     job = TrainingJob(
         name="fine-tuning",
-        seq_len=task.max_length,
-        tokenizer=data.tokenizer,
-        batches=batches,
-        evaluate=evaluate if held_out is not None else None,
-        final_evaluation=final_evaluation if held_out is not None else None,
+        seq_len=examples.task.max_length,
+        tokenizer=config.data.tokenizer,
+        batches=examples.batches,
+        evaluate=examples.evaluate if evaluating else None,
+        final_evaluation=examples.final_evaluation if evaluating else None,
         evaluate_before=config.evaluation.before_training,
         evaluate_after=config.evaluation.after_training,
     )
+    lora = config.lora
     if lora.enabled:
         job.build_model = lambda architecture: lora_model(
             architecture, config.model.init_from, lora, config.train.seed
@@ -115,5 +52,74 @@ def finetune(config: FinetuneConfig, resume: str | None = None) -> dict[str, Any
     return train(config, job, resume)
 
 
-def pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+class TaskExamples:
+    """The fine-tuning job's data for the loop (`TrainingJob.batches`, `evaluate`, `final_evaluation`):
+    training and validation rows, each split encoded once with the run's tokenizer and shared by the
+    batches and both evaluations."""
+
+    def __init__(self, config: FinetuneConfig):
+        data = config.data
+        self.config, self.task = config, config.task.format()
+        self.held_out = validation_rows(
+            data.dataset, data.validation_paths, data.validation_split, data.dataset_config
+        )
+        self._encoded: dict[str, Any] = {}
+
+    def _examples(self, tokenizer, where: str, rows, limit: int | None):
+        if where not in self._encoded:
+            self._encoded[where] = encode_rows(
+                rows,
+                self.task,
+                tokenizer,
+                on_long_example=self.config.data.on_long_example,
+                max_examples=limit,
+                where=where,
+            )
+        return self._encoded[where]
+
+    def batches(self, tokenizer, rank: int, world: int) -> FinetuneBatches:
+        data, train_section = self.config.data, self.config.train
+        rows = load_rows(data.dataset, data.paths, data.split, data.dataset_config)
+        logger.info("training rows: %d", len(rows))
+        if self.held_out is not None:  # a bad validation row stops the run now, not at its first evaluation
+            self.validation_examples(tokenizer, world, 0)
+        return FinetuneBatches(
+            self._examples(tokenizer, "train", rows, data.max_examples),
+            micro_batch_size=train_section.micro_batch_size,
+            rank=rank,
+            world_size=world,
+            seed=train_section.seed,
+            pad_token_id=pad_id(tokenizer),
+            packing=data.packing,
+            max_length=self.task.max_length,
+        )
+
+    def validation_examples(self, tokenizer, world: int, limit: int):
+        """The first `limit` encoded validation examples; encoded once, for both evaluations."""
+        periodic = self.config.train.eval_batches * self.config.train.micro_batch_size * world
+        encoded = self._examples(
+            tokenizer, "validation", self.held_out, max(periodic, self.config.evaluation.max_examples)
+        )
+        return encoded[:limit]
+
+    def evaluate(self, model, tokenizer, accelerator) -> dict[str, float]:
+        # `train.eval_batches` batches per rank, as in pretraining
+        train_section = self.config.train
+        limit = train_section.eval_batches * train_section.micro_batch_size * accelerator.num_processes
+        examples = self.validation_examples(tokenizer, accelerator.num_processes, limit)
+        return target_loss(model, examples, train_section.micro_batch_size, pad_id(tokenizer))
+
+    def final_evaluation(self, model, tokenizer, accelerator) -> dict[str, Any]:
+        # the references' loss (teacher forcing) and the generated predictions' scores
+        evaluation = self.config.evaluation
+        examples = self.validation_examples(tokenizer, accelerator.num_processes, evaluation.max_examples)
+        return task_metrics(
+            model,
+            tokenizer,
+            self.held_out,
+            examples,
+            self.task,
+            evaluation.generation,
+            batch_size=evaluation.batch_size,
+            max_examples=evaluation.max_examples,
+        )

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tnlg.data.tasks import TaskFormat
-from tnlg.inference.generation import GenerationSettings
+from tnlg.inference.settings import GenerationSettings
 from tnlg.run.config import LoggingSection, TrainingConfig, TrainSection, load_config
 
 # The projections LoRA adapts by default: every Linear of the attention and MLP blocks (the output

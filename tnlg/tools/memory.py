@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tnlg.modeling import TNLGConfig
-from tnlg.sharding.config import MIXED_PRECISIONS, OFFLOAD_DEVICES, STAGES, ZeroConfig
+from tnlg.sharding.config import ZeroConfig
 
 logger = logging.getLogger(__name__)
 
@@ -99,24 +99,29 @@ def model_state_estimate(
     optimizer: str = "adamw",
 ) -> MemoryEstimate:
     """The ZeRO paper's per-rank model states for `num_parameters` parameters (no activations)."""
+    # The engine's own checks and messages: a stage, precision or offload the engine refuses (a bad
+    # value, or offload at a stage that partitions nothing to offload) is refused here alike.
+    zero = ZeroConfig(
+        stage=stage,
+        mixed_precision=mixed_precision,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+    )
+    return _model_states(num_parameters, world_size, zero, optimizer)
+
+
+def _model_states(num_parameters: int, world_size: int, zero: ZeroConfig, optimizer: str) -> MemoryEstimate:
+    """`model_state_estimate` for the engine settings `zero`; the checks here are for what ZeroConfig
+    does not hold."""
     _check_positive_int("num_parameters", num_parameters)
     _check_positive_int("world_size", world_size)
-    _check_choice("stage", stage, STAGES)
-    _check_choice("mixed_precision", mixed_precision, MIXED_PRECISIONS)
-    _check_choice("offload_optimizer", offload_optimizer, OFFLOAD_DEVICES)
-    _check_choice("offload_param", offload_param, OFFLOAD_DEVICES)
     _check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
-    # The same constraints as ZeroConfig: only what is partitioned can be offloaded.
-    if offload_optimizer != "none" and stage == 0:
-        raise ValueError("offload_optimizer needs stage 1, 2 or 3 (stage 0 partitions nothing)")
-    if offload_param != "none" and stage != 3:
-        raise ValueError(f"offload_param needs stage 3 (parameters are partitioned only there), got {stage}")
-
-    compute = _compute_bytes(mixed_precision)
+    stage, offload_param = zero.stage, zero.offload_param
+    compute = _compute_bytes(zero.mixed_precision)
     whole = num_parameters
     shard = math.ceil(num_parameters / world_size)
     optimizer_elements = whole if stage == 0 else shard  # stage >= 1 partitions master + optimizer
-    host_optimizer = offload_optimizer == "cpu"
+    host_optimizer = zero.offload_optimizer == "cpu"
     # offloaded stages 2-3 accumulate the gradient shard on the host in fp32
     grad_bytes = FP32_BYTES if host_optimizer and stage >= 2 else compute
     # offloaded Adam writes the 16-bit values into a host buffer, or straight into an offloaded shard
@@ -126,8 +131,8 @@ def model_state_estimate(
         num_parameters=num_parameters,
         world_size=world_size,
         stage=stage,
-        mixed_precision=mixed_precision,
-        offload_optimizer=offload_optimizer,
+        mixed_precision=zero.mixed_precision,
+        offload_optimizer=zero.offload_optimizer,
         offload_param=offload_param,
         params=compute * (shard if stage == 3 else whole),
         grads=grad_bytes * (shard if stage >= 2 else whole),
@@ -154,20 +159,18 @@ def estimate_memory(
     """Per-rank bytes of model states, stage 3 gathered blocks and activations for training `config`.
 
     `seq_len` defaults to `config.max_position_embeddings`; `micro_batch_size` is per rank. Raises
-    ValueError naming the first bad argument.
+    ValueError naming the first bad argument (the ZeRO settings with the engine's own ZeroConfig message).
     """
     if not isinstance(config, TNLGConfig):
         raise ValueError(f"config must be a TNLGConfig, got {type(config).__name__}")
-    _check_int("param_persistence_threshold", param_persistence_threshold, minimum=0)
-    states = model_state_estimate(
-        config.num_parameters(),
-        world_size=world_size,
+    zero = ZeroConfig(  # the engine's checks, as in `model_state_estimate`
         stage=stage,
         mixed_precision=mixed_precision,
         offload_optimizer=offload_optimizer,
         offload_param=offload_param,
-        optimizer=optimizer,
+        param_persistence_threshold=param_persistence_threshold,
     )
+    states = _model_states(config.num_parameters(), world_size, zero, optimizer)
     compute = _compute_bytes(mixed_precision)
     # Stage 3 gathers whole blocks into the compute dtype on the device, and autograd writes their
     # whole gradients there before they are reduce-scattered into the shard: params + grads.

@@ -160,31 +160,57 @@ def megatron_state_dict_to_tnlg(
     vocab_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Merge `{(tp_rank, pp_rank): flat state dict}` into one TNLG-named state dict."""
+    tp_size, pp_size = _parallel_sizes(shards)
+    converted: dict[str, torch.Tensor] = {}
+    for (role, layer), tensors in _pieces_by_role(shards, tp_size, pp_size).items():
+        spec = _LAYER_ROLES[role] if layer is not None else _TOP_ROLES[role]
+        if len(tensors) != tp_size:
+            raise ValueError(
+                f"{role} (layer {layer}) has {len(tensors)} tensor-parallel shards, expected {tp_size}"
+            )
+        if role.startswith("qkv"):
+            merged = _merge_qkv(tensors, num_attention_heads, checkpoint_version)
+        elif spec.tp_dim is None:  # replicated: every rank holds the same tensor
+            merged = tensors[0]
+        else:
+            merged = torch.cat(tensors, dim=spec.tp_dim)
+        converted[spec.tnlg_name.format(layer=layer)] = _trim_vocabulary(
+            role, merged, vocab_size
+        ).contiguous()
+    return converted
+
+
+def _parallel_sizes(shards: Mapping[tuple[int, int], Any]) -> tuple[int, int]:
+    """(tensor-parallel size, pipeline-parallel size), every (tp, pp) rank's shard checked present."""
     tp_size = 1 + max(tp for tp, _ in shards)
     pp_size = 1 + max(pp for _, pp in shards)
     missing_shards = [(tp, pp) for tp in range(tp_size) for pp in range(pp_size) if (tp, pp) not in shards]
     if missing_shards:
         raise ValueError(f"Megatron checkpoint lacks (tensor, pipeline) rank shards {missing_shards}")
+    return tp_size, pp_size
 
+
+def _pieces_by_role(
+    shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], tp_size: int, pp_size: int
+) -> dict[tuple[str, int | None], list[torch.Tensor]]:
+    """Each tensor's tensor-parallel pieces in rank order, by (role, layer; None outside the layers).
+
+    Pipeline stages number their layers from 0, so a stage's layers follow those of the stages
+    before it. Every tensor the converter does not know is named in one error.
+    """
     pieces: dict[tuple[str, int | None], list[torch.Tensor]] = {}
     unknown: list[str] = []
     layer_offset = 0
     for pp in range(pp_size):
         stage_layers = 0
         for tp in range(tp_size):
-            for name, tensor in shards[(tp, pp)].items():
-                try:
-                    classified = _classify(name)
-                except KeyError:
-                    unknown.append(name)
-                    continue
-                if classified is None:
-                    continue
-                role, layer = classified
+            classified, not_known = _classify_all(shards[(tp, pp)])
+            unknown += not_known
+            for role, layer, tensor in classified:
                 if layer is not None:
                     stage_layers = max(stage_layers, layer + 1)
                     layer += layer_offset
-                elif (role, None) in pieces and len(pieces[(role, None)]) == tp_size:
+                elif len(pieces.get((role, None), ())) == tp_size:
                     continue  # a later pipeline stage's copy (tied embedding on the last stage)
                 pieces.setdefault((role, layer), []).append(tensor)
         layer_offset += stage_layers
@@ -194,26 +220,34 @@ def megatron_state_dict_to_tnlg(
         raise ValueError(
             "Megatron checkpoint has no learned position embeddings (rotary models are not TNLG models)"
         )
+    return pieces
 
-    converted: dict[str, torch.Tensor] = {}
-    for (role, layer), tensors in pieces.items():
-        spec = _LAYER_ROLES[role] if layer is not None else _TOP_ROLES[role]
-        if len(tensors) != tp_size:
-            raise ValueError(
-                f"{role} (layer {layer}) has {len(tensors)} tensor-parallel shards, expected {tp_size}"
-            )
-        if role.startswith("qkv"):
-            merged = _merge_qkv(tensors, num_attention_heads, checkpoint_version)
-        elif spec.tp_dim is None:
-            merged = tensors[0]
-        else:
-            merged = torch.cat(tensors, dim=spec.tp_dim)
-        if role in ("embed", "output") and vocab_size is not None:
-            if vocab_size > merged.shape[0]:
-                raise ValueError(f"vocab_size {vocab_size} exceeds the checkpoint's {merged.shape[0]} rows")
-            merged = merged[:vocab_size]
-        converted[spec.tnlg_name.format(layer=layer)] = merged.contiguous()
-    return converted
+
+def _classify_all(
+    state_dict: Mapping[str, torch.Tensor],
+) -> tuple[list[tuple[str, int | None, torch.Tensor]], list[str]]:
+    """(role, layer within its stage, tensor) for each tensor to convert, and the unknown names;
+    ignorable tensors are in neither."""
+    classified: list[tuple[str, int | None, torch.Tensor]] = []
+    unknown: list[str] = []
+    for name, tensor in state_dict.items():
+        try:
+            role_and_layer = _classify(name)
+        except KeyError:
+            unknown.append(name)
+            continue
+        if role_and_layer is not None:
+            classified.append((*role_and_layer, tensor))
+    return classified, unknown
+
+
+def _trim_vocabulary(role: str, merged: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    """The embedding and output rows cut to `vocab_size` (Megatron pads the vocabulary for TP)."""
+    if role not in ("embed", "output") or vocab_size is None:
+        return merged
+    if vocab_size > merged.shape[0]:
+        raise ValueError(f"vocab_size {vocab_size} exceeds the checkpoint's {merged.shape[0]} rows")
+    return merged[:vocab_size]
 
 
 def _config_from_tensors(

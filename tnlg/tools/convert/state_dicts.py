@@ -120,7 +120,9 @@ def _stub_class(qualified_name: str) -> type:
 
     name = qualified_name.rsplit(".", 1)[-1]
     return type(
-        name, (), {"__init__": __init__, "__setstate__": __setstate__, "__module__": "tnlg.tools.convert.stub"}
+        name,
+        (),
+        {"__init__": __init__, "__setstate__": __setstate__, "__module__": "tnlg.tools.convert.stub"},
     )
 
 
