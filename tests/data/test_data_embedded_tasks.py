@@ -34,6 +34,7 @@ def docstrings(root):
     return {split: read_jsonl(directory / f"{split}.jsonl") for split in DOCSTRING_SPLITS}
 
 
+@pytest.mark.slow
 def test_docstring_splits_are_disjoint_nonempty_and_well_formed(docstrings):
     keys = {split: {(r["module"], r["name"]) for r in rows} for split, rows in docstrings.items()}
     assert all(docstrings.values()), {split: len(rows) for split, rows in docstrings.items()}
@@ -60,6 +61,7 @@ def test_known_stdlib_function_has_its_summary(docstrings):
     assert dedent["document"].startswith("def dedent(text):\nThis can be used to make triple-quoted")
 
 
+@pytest.mark.slow
 def test_docstrings_are_the_same_bytes_when_built_again(root, docstrings, tmp_path):
     first, again = docstring_summaries(root), docstring_summaries(tmp_path)
     for split in DOCSTRING_SPLITS:

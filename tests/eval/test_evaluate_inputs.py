@@ -116,6 +116,7 @@ def test_task_scores_skip_rows_that_cannot_make_a_prompt_and_count_them(debug_mo
     assert [s["reference"] for s in scores["samples"]] == ["one", "three"]
 
 
+@pytest.mark.slow
 def test_the_script_ends_with_one_line_naming_the_bad_file(tmp_path):
     path = tmp_path / "latin1.txt"
     path.write_bytes(b"ok then \xff\xfe")

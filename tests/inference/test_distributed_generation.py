@@ -111,6 +111,7 @@ def _expected(reference, prompts, settings, batch_size=8) -> list[str]:
     return generate_texts(model, tokenizer, prompts, settings, batch_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["greedy", "greedy-batch-1", "token-ids", "stage-0"])
 def test_greedy_on_2_ranks_equals_one_process(ranks, reference, case):
     expected = _expected(reference, PROMPTS, GREEDY)
@@ -119,16 +120,19 @@ def test_greedy_on_2_ranks_equals_one_process(ranks, reference, case):
         assert rank[case] == expected
 
 
+@pytest.mark.slow
 def test_fewer_prompts_than_ranks(ranks, reference):
     for rank in ranks:
         assert rank["one-prompt"] == _expected(reference, PROMPTS[1:2], GREEDY)
 
 
+@pytest.mark.slow
 def test_beam_search_on_2_ranks_equals_one_process(ranks, reference):
     for rank in ranks:
         assert rank["beams"] == _expected(reference, PROMPTS, BEAMS)
 
 
+@pytest.mark.slow
 def test_sequences_ending_at_different_steps_on_different_ranks(ranks, reference, early_eos):
     """Rank 1's only sequence ends after a few tokens, rank 0's run to max_new_tokens: rank 1 keeps
     stepping (synced_gpus) so that rank 0's stage 3 gathers are answered, and nobody hangs."""
@@ -146,6 +150,7 @@ def test_sequences_ending_at_different_steps_on_different_ranks(ranks, reference
         assert rank["early-eos"] == expected
 
 
+@pytest.mark.slow
 def test_sampling_on_2_ranks_draws_what_each_rank_would_alone(ranks, reference):
     """Each rank samples its own share with its own generator: rank r's share equals one process
     seeded like rank r sampling the same prompts."""
@@ -190,6 +195,7 @@ def _run_script(checkpoint: Path, *extra: str, launch: list[str] | None = None) 
     return result.stdout.strip().splitlines()
 
 
+@pytest.mark.slow
 def test_script_on_2_processes_prints_what_one_process_prints(checkpoint, tmp_path, capsys):
     from scripts.generate import main
 

@@ -174,12 +174,14 @@ def _load_and_list_hashed(rank: int, world_size: int, path: str) -> list[str]:
     return hashed
 
 
+@pytest.mark.slow
 def test_sharded_loading_hashes_each_file_once_across_the_ranks(sharded):
     hashed = run_distributed(_load_and_list_hashed, 2, str(sharded))
     assert sorted(hashed[0] + hashed[1]) == [p.name for p in _shards(sharded)]
     assert hashed[0] and hashed[1]
 
 
+@pytest.mark.slow
 def test_sharded_loading_refuses_a_flipped_bit_on_every_rank(sharded):
     victim = _shards(sharded)[1]  # hashed by rank 1 only: rank 0 must fail too
     _flip_a_bit(victim)
@@ -337,6 +339,7 @@ ENGINE_DAMAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", list(ENGINE_DAMAGE))
 def test_engine_load_names_the_damaged_file(engine_checkpoint, damage):
     damage_fn, message = ENGINE_DAMAGE[damage]
@@ -345,6 +348,7 @@ def test_engine_load_names_the_damaged_file(engine_checkpoint, damage):
         _load_engine_here(engine_checkpoint)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", [*ENGINE_DAMAGE, "bit flip"])
 def test_the_convert_script_names_the_damaged_file(engine_checkpoint, tmp_path, damage):
     damage_fn, message = ENGINE_DAMAGE.get(
@@ -356,6 +360,7 @@ def test_the_convert_script_names_the_damaged_file(engine_checkpoint, tmp_path, 
         convert_main(["--from", "zero", "--input", str(engine_checkpoint), "--output", str(tmp_path / "out")])
 
 
+@pytest.mark.slow
 def test_consolidation_records_checksums_that_from_pretrained_verifies(engine_checkpoint, tmp_path):
     output = tmp_path / "model"
     output.mkdir()

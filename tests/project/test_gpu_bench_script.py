@@ -14,6 +14,7 @@ from tests.support import REPO
 from tnlg.modeling import fused_ops
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not fused_ops.triton_available(), reason="triton is not installed")
 def test_gpu_bench_smoke_runs_every_section():
     environment = {
@@ -31,6 +32,7 @@ def test_gpu_bench_smoke_runs_every_section():
     assert "tnlg Triton fused Adam" in result.stdout and "tnlg chunked LM head" in result.stdout
 
 
+@pytest.mark.slow
 def test_gpu_bench_refuses_a_cpu_without_smoke():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the full benchmark would run")

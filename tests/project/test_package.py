@@ -12,6 +12,7 @@ import pytest
 from tests.support import REPO
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["repo root", "elsewhere"])
 def test_modeling_and_sharding_import_as_tnlg_subpackages(where, tmp_path):
     cwd = REPO if where == "repo root" else tmp_path

@@ -9,6 +9,8 @@ import torch
 from tests.support.finetune_cases import run_finetune, save_base_model, write_questions, write_summaries
 from tnlg.tools.spawn import run_distributed
 
+pytestmark = pytest.mark.slow  # every test here launches processes (see pyproject's markers)
+
 COMMON = [
     "--optimizer.lr", "3e-3", "--optimizer.warmup_steps", "2", "--optimizer.weight_decay", "0.0",
     "--train.micro_batch_size", "2", "--evaluation.batch_size", "4", "--evaluation.before_training", "true",
@@ -44,7 +46,6 @@ def learned(result: dict, factor: float = 0.7) -> None:
     assert result["losses"][-1] < result["losses"][0]
 
 
-@pytest.mark.slow
 def test_summarization_from_cnn_dm_columns_at_stage_2(cache, base, tmp_path):
     results = finetune(cache, base, tmp_path / "run", *summarization(tmp_path), "--zero.stage", "2")
     learned(results[0])
@@ -54,7 +55,6 @@ def test_summarization_from_cnn_dm_columns_at_stage_2(cache, base, tmp_path):
     assert results[0]["evaluation"] == results[1]["evaluation"]  # gathered: every rank has all of it
 
 
-@pytest.mark.slow
 def test_extractive_qa_on_the_embedded_fixture_packed_at_stage_3(cache, base, tmp_path):
     arguments = [
         "--task.kind", "extractive_qa", "--task.columns", "{answer: answers}", "--task.max_length", "256",
@@ -66,7 +66,6 @@ def test_extractive_qa_on_the_embedded_fixture_packed_at_stage_3(cache, base, tm
     assert set(results[0]["evaluation"]["after"]) >= {"exact_match", "f1"}
 
 
-@pytest.mark.slow
 def test_generative_qa_from_csv_with_optional_context_at_stage_1(cache, base, tmp_path):
     train = write_questions(tmp_path / "train.csv")
     arguments = [
@@ -76,7 +75,6 @@ def test_generative_qa_from_csv_with_optional_context_at_stage_1(cache, base, tm
     learned(finetune(cache, base, tmp_path / "run", *arguments)[0])
 
 
-@pytest.mark.slow
 def test_lora_at_stage_3_trains_the_adapters_and_saves_them_merged(cache, base, tmp_path):
     from tnlg import TNLGForCausalLM
     from tnlg.data.finetune import encode_rows, load_rows
@@ -107,7 +105,6 @@ def test_lora_at_stage_3_trains_the_adapters_and_saves_them_merged(cache, base, 
     assert loss == pytest.approx(result["evaluation"]["after"]["eval_loss"], rel=1e-4)
 
 
-@pytest.mark.slow
 def test_a_stopped_run_resumes_with_the_same_losses(cache, base, tmp_path):
     arguments = [*summarization(tmp_path), "--zero.stage", "2", "--train.save_every", "3",
                  "--evaluation.after_training", "false"]  # fmt: skip

@@ -15,6 +15,8 @@ import pytest
 from tests.support import REPO
 from tests.support.finetune_cases import save_base_model, write_summaries
 
+pytestmark = pytest.mark.slow  # every test here launches processes (see pyproject's markers)
+
 SPREAD = {1: ["--cpu", "--num_processes", "1"], 2: ["--multi_gpu", "--num_processes", "2"]}
 
 
@@ -34,7 +36,6 @@ def base(tmp_path_factory):
     return save_base_model(tmp_path_factory.mktemp("base"))
 
 
-@pytest.mark.slow
 def test_the_summarization_config_fine_tunes_on_the_docstring_set_and_resumes(base, cache, tmp_path):
     config = REPO / "configs" / "finetune" / "summarization.yaml"
     common = [
@@ -58,7 +59,6 @@ def test_the_summarization_config_fine_tunes_on_the_docstring_set_and_resumes(ba
     assert second == pytest.approx(first, rel=1e-6)  # the whole curve: steps 1-2 from the checkpoint
 
 
-@pytest.mark.slow
 def test_evaluate_scores_a_checkpoint_alike_in_one_process_and_sharded_on_two(base, cache, tmp_path):
     summaries = write_summaries(tmp_path / "summaries.jsonl")
     config = tmp_path / "task.yaml"

@@ -11,6 +11,8 @@ import torch
 from tests.support import REPO
 from tnlg.tools.spawn import run_distributed
 
+pytestmark = pytest.mark.slow  # every test here launches processes (see pyproject's markers)
+
 DEBUG = REPO / "configs" / "pretrain" / "debug.yaml"
 
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import math
 import os
 
+import pytest
+
 from tests.support import REPO
 from tnlg.tools.spawn import run_distributed
+
+pytestmark = pytest.mark.slow  # every test here launches processes (see pyproject's markers)
 
 
 def _pretrain(rank, world_size, cache, output, overrides, poison_step=None):

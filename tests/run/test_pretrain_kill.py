@@ -17,6 +17,8 @@ from tests.run.test_pretrain_script import launch_command
 from tests.support import REPO
 from tnlg.tools.spawn import RankFailed, run_distributed
 
+pytestmark = pytest.mark.slow  # every test here launches processes (see pyproject's markers)
+
 STEPS = 24
 
 

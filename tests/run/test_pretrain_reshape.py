@@ -16,6 +16,8 @@ from tnlg.data.corpus import embedded_corpus
 from tnlg.data.pretokenized import read_texts, write_pretokenized
 from tnlg.run.build import default_tokenizer
 
+pytestmark = pytest.mark.slow  # every test here launches processes (see pyproject's markers)
+
 STEPS = 8
 
 

@@ -53,6 +53,7 @@ def run(tmp_path_factory, cache):
     return output, launch(output, cache)
 
 
+@pytest.mark.slow
 def test_losses_match_the_committed_baseline(run):
     _, losses = run
     baseline = json.loads(BASELINE.read_text())
@@ -60,6 +61,7 @@ def test_losses_match_the_committed_baseline(run):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_an_offloaded_run_matches_the_same_baseline(cache, tmp_path):
     """ZeRO-Offload selected from the run config: master weights and AdamW state on the CPU, the step
     in CPUAdam; the losses are the committed (non-offloaded) baseline's."""
@@ -67,6 +69,7 @@ def test_an_offloaded_run_matches_the_same_baseline(cache, tmp_path):
     assert losses == pytest.approx(json.loads(BASELINE.read_text())["losses"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_the_run_leaves_a_loadable_model_a_curve_and_checkpoints(run):
     output, _ = run
     model = TNLGForCausalLM.from_pretrained(output / "model")
@@ -76,6 +79,7 @@ def test_the_run_leaves_a_loadable_model_a_curve_and_checkpoints(run):
     assert json.loads((output / "checkpoints" / "latest").read_text()) == {"checkpoint": "step-00000008"}
 
 
+@pytest.mark.slow
 def test_a_run_starts_from_a_saved_model_read_shard_by_shard(run, cache, tmp_path):
     """model.init_from at stage 3: with a learning rate of 0 the model saved at the end must be the
     starting checkpoint exactly, and the first loss is the trained model's, well below a fresh one's."""
@@ -92,6 +96,7 @@ def test_a_run_starts_from_a_saved_model_read_shard_by_shard(run, cache, tmp_pat
         assert torch.equal(again[name], tensor), name
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_with_the_same_losses(run, cache, tmp_path):
     _, losses = run
     launch(tmp_path, cache, "--train.max_steps", "4")
@@ -99,6 +104,7 @@ def test_a_resumed_run_continues_with_the_same_losses(run, cache, tmp_path):
     assert resumed == pytest.approx(losses, rel=1e-6)  # the curve covers the whole run, steps 1-4 restored
 
 
+@pytest.mark.slow
 def test_two_single_process_nodes_train_like_one_two_process_launch(run, tmp_path, cache):
     """The multi-node path on one machine: two launches as two "nodes" (c10d rendezvous on
     127.0.0.1, one process each) give the single-launch 2-process baseline's losses."""
@@ -160,6 +166,7 @@ def _wait_for_listener(port: int, process: subprocess.Popen, timeout: float = 12
     raise TimeoutError(f"nothing listened on port {port} within {timeout:.0f}s")
 
 
+@pytest.mark.slow
 def test_the_run_is_recorded_in_tensorboard(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -48,6 +48,7 @@ def finished_run(cache, tmp_path_factory):
     return output, result["losses"]
 
 
+@pytest.mark.slow
 def test_a_new_run_into_a_used_output_directory_is_refused_and_loses_nothing(finished_run, cache):
     output, _ = finished_run
     before = {p: p.stat().st_mtime_ns for p in output.rglob("*")}
@@ -57,6 +58,7 @@ def test_a_new_run_into_a_used_output_directory_is_refused_and_loses_nothing(fin
     assert {p: p.stat().st_mtime_ns for p in output.rglob("*")} == before
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_the_previous_run_entirely(finished_run, cache, tmp_path):
     output, losses = finished_run
     copy = tmp_path / "copy"
@@ -70,6 +72,7 @@ def test_overwrite_replaces_the_previous_run_entirely(finished_run, cache, tmp_p
     assert json.loads((copy / "loss_curve.json").read_text())["steps"] == [1, 2]
 
 
+@pytest.mark.slow
 def test_resume_latest_without_a_checkpoint_is_refused_naming_the_directory(cache, tmp_path):
     (result,) = _run(cache, tmp_path, resume="latest")
     assert result["error"].startswith("CheckpointError: --resume latest:")
@@ -77,6 +80,7 @@ def test_resume_latest_without_a_checkpoint_is_refused_naming_the_directory(cach
     assert not (tmp_path / "model").exists()
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_the_whole_loss_curve(finished_run, cache, tmp_path):
     output, losses = finished_run
     copy = tmp_path / "copy"
@@ -92,6 +96,7 @@ def test_a_resumed_run_keeps_the_whole_loss_curve(finished_run, cache, tmp_path)
     assert json.loads((copy / "loss_curve.json").read_text())["steps"] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
@@ -112,6 +117,7 @@ def test_damaged_run_checkpoint_files_are_named(finished_run, cache, tmp_path, d
     assert result["error"].startswith("CheckpointError") and message in result["error"], result
 
 
+@pytest.mark.slow
 def test_a_missing_rank_file_of_a_two_process_checkpoint_is_named(cache, tmp_path):
     """Rank 1's file gone: before, the checkpoint read as a 1-process one and every rank resumed from rank
     0's data position; now both ranks stop naming the missing file."""
@@ -183,6 +189,7 @@ def test_a_bad_yaml_file_is_one_error_naming_it(tmp_path, content, message):
         load_run_config(tmp_path / "missing.yaml")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["missing", "no-config"])
 def test_init_from_that_is_no_checkpoint_is_named_without_reaching_the_hub(cache, tmp_path, kind):
     target = tmp_path / "model"
@@ -194,6 +201,7 @@ def test_init_from_that_is_no_checkpoint_is_named_without_reaching_the_hub(cache
     assert result["error"].startswith("FileNotFoundError: model.init_from") and expected in result["error"]
 
 
+@pytest.mark.slow
 def test_the_script_prints_an_input_error_once_as_one_line(cache, tmp_path):
     """Under a 2-process launch both ranks refuse the used directory; the user sees one line from rank 0
     (the other rank, stopped by the launcher within its grace period, prints nothing), exit 2."""
@@ -244,6 +252,7 @@ def test_a_deepspeed_json_fills_what_the_run_leaves_unset(tmp_path):
     assert (zero.stage, zero.reduce_bucket_size, zero.gradient_clipping) == (3, 500_000, 1.0)
 
 
+@pytest.mark.slow
 def test_a_deepspeed_json_accumulation_must_agree_with_the_run(cache, tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 2}))
