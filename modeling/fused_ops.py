@@ -71,9 +71,10 @@ def linear_cross_entropy_reference(hidden, weight, targets, ignore_index=-100, n
 
 
 # ---------------------------------------------------------------------------- Triton kernels
+# Each op's kernels are defined inside a function, on first use: `triton.jit` reads TRITON_INTERPRET
+# when it decorates, and Triton is optional (`import tnlg` works without it). One function per op.
 @functools.cache
-def _kernels():
-    """Defined on first use: `triton.jit` reads TRITON_INTERPRET when it decorates."""
+def _layer_norm_kernels() -> dict:
     import triton
     import triton.language as tl
 
@@ -110,6 +111,14 @@ def _kernels():
         dx = (wdy - (xhat * c1 + c2)) * rstd
         tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
+    return {"forward": layer_norm_forward, "backward": layer_norm_backward}
+
+
+@functools.cache
+def _bias_gelu_kernels() -> dict:
+    import triton
+    import triton.language as tl
+
     # tanh(u) is written as 1 - 2 / (exp(2u) + 1) below, with 2u clamped to [-40, 40] where tanh is
     # +-1 in fp32 (no overflow); a jit helper defined in this closure would not resolve in a kernel.
     @triton.jit
@@ -135,6 +144,14 @@ def _kernels():
             1.0 + 3.0 * 0.044715 * z * z
         )
         tl.store(dx_ptr + offsets, (dy * slope).to(dx_ptr.dtype.element_ty), mask=mask)
+
+    return {"forward": bias_gelu_forward, "backward": bias_gelu_backward}
+
+
+@functools.cache
+def _cross_entropy_kernel():
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def cross_entropy_rows(
@@ -171,13 +188,7 @@ def _kernels():
             grad = tl.exp(x - lse) - tl.where(cols == safe_target, 1.0, 0.0)
             tl.store(base + cols, (grad * row_scale).to(logits_ptr.dtype.element_ty), mask=mask)
 
-    return {
-        "layer_norm_forward": layer_norm_forward,
-        "layer_norm_backward": layer_norm_backward,
-        "bias_gelu_forward": bias_gelu_forward,
-        "bias_gelu_backward": bias_gelu_backward,
-        "cross_entropy_rows": cross_entropy_rows,
-    }
+    return cross_entropy_rows
 
 
 def _row_block(n_cols: int) -> int:
@@ -200,7 +211,7 @@ class _LayerNorm(torch.autograd.Function):
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         block = _row_block(cols)
         if rows:
-            _kernels()["layer_norm_forward"][(rows,)](
+            _layer_norm_kernels()["forward"][(rows,)](
                 x2, weight, bias, y, mean, rstd, cols, eps, BLOCK=block, num_warps=_warps(block)
             )
         ctx.save_for_backward(x2, weight, mean, rstd)
@@ -215,7 +226,7 @@ class _LayerNorm(torch.autograd.Function):
         dx = torch.empty_like(x2)
         block = _row_block(cols)
         if rows:
-            _kernels()["layer_norm_backward"][(rows,)](
+            _layer_norm_kernels()["backward"][(rows,)](
                 dy2, x2, weight, mean, rstd, dx, cols, BLOCK=block, num_warps=_warps(block)
             )
         xhat = (x2.float() - mean[:, None]) * rstd[:, None]
@@ -244,7 +255,7 @@ class _BiasGelu(torch.autograd.Function):
         n = x.numel()
         if n:
             grid = ((n + ELEMENTWISE_BLOCK - 1) // ELEMENTWISE_BLOCK,)
-            _kernels()["bias_gelu_forward"][grid](x, bias, y, n, x.shape[-1], BLOCK=ELEMENTWISE_BLOCK)
+            _bias_gelu_kernels()["forward"][grid](x, bias, y, n, x.shape[-1], BLOCK=ELEMENTWISE_BLOCK)
         ctx.save_for_backward(x, bias)
         return y
 
@@ -256,7 +267,7 @@ class _BiasGelu(torch.autograd.Function):
         n = x.numel()
         if n:
             grid = ((n + ELEMENTWISE_BLOCK - 1) // ELEMENTWISE_BLOCK,)
-            _kernels()["bias_gelu_backward"][grid](dy, x, bias, dx, n, x.shape[-1], BLOCK=ELEMENTWISE_BLOCK)
+            _bias_gelu_kernels()["backward"][grid](dy, x, bias, dx, n, x.shape[-1], BLOCK=ELEMENTWISE_BLOCK)
         dbias = dx.reshape(-1, x.shape[-1]).float().sum(0).to(bias.dtype)
         return dx, dbias
 
@@ -298,7 +309,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             end = min(start + chunk_rows, rows)
             chunk = hidden[start:end]
             logits = chunk @ weight.T  # (C, V) in the compute dtype; becomes its own gradient below
-            _kernels()["cross_entropy_rows"][(end - start,)](
+            _cross_entropy_kernel()[(end - start,)](
                 logits, targets[start:end], losses[start:end], vocab, ignore_index,
                 BLOCK=block, NUM_BLOCKS=(vocab + block - 1) // block, num_warps=_warps(block),
             )  # fmt: skip

@@ -338,24 +338,10 @@ class TNLGModel(TNLGPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-
-        if (
-            attention_mask is not None
-            and attention_mask.dim() == 2
-            and attention_mask.shape[-1] != past_length + length
-        ):
-            raise ValueError(
-                f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache holds {past_length} and "
-                f"{length} are new: pass the mask of every token attended to ({past_length + length})"
-            )
+        self._check_lengths(attention_mask, past_length, length)
         if position_ids is None:
             position_ids = self._default_position_ids(
                 attention_mask, past_length, length, inputs_embeds.device
-            )
-        if past_length + length > self.config.max_position_embeddings:
-            raise ValueError(
-                f"sequence of {past_length + length} tokens is longer than the model's "
-                f"max_position_embeddings ({self.config.max_position_embeddings})"
             )
 
         causal_mask = create_causal_mask(
@@ -380,6 +366,23 @@ class TNLGModel(TNLGPreTrainedModel):
             last_hidden_state=hidden_states,
             past_key_values=past_key_values if use_cache else None,
         )
+
+    def _check_lengths(self, attention_mask: torch.Tensor | None, past_length: int, length: int) -> None:
+        """A 2D mask covers the cached and the new tokens, and together they fit the learned positions."""
+        if (
+            attention_mask is not None
+            and attention_mask.dim() == 2
+            and attention_mask.shape[-1] != past_length + length
+        ):
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache holds {past_length} and "
+                f"{length} are new: pass the mask of every token attended to ({past_length + length})"
+            )
+        if past_length + length > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence of {past_length + length} tokens is longer than the model's "
+                f"max_position_embeddings ({self.config.max_position_embeddings})"
+            )
 
     @staticmethod
     def _default_position_ids(

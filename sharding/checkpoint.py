@@ -1,5 +1,9 @@
 """Sharded engine checkpoints that load at any world size and any stage.
 
+Every writer puts an engine checkpoint in a directory named `engine` (`ENGINE_DIRECTORY`) inside its
+own checkpoint directory (a run's `step-N/`, `ZeroAccelerator.save_state`'s directory, a ZeroTrainer
+`checkpoint-N/`), laid out as:
+
     DIR/manifest.json          written last by rank 0: world size, stage, step, the loss scaler, the
                                optimizer's param-group hyperparameters, each group's flat layout
                                (parameter names, shapes, units, offsets), the sha256 and size of every
@@ -15,17 +19,19 @@ parameter range this rank owns in *its* layout, the saved segments that cover it
 those with safetensors slicing: a checkpoint written by N ranks at stage S loads into M ranks at
 stage T directly, optimizer state included. Parameters are matched by name, so the param groups
 and bucket sizes may differ too; missing, unexpected or re-shaped parameters are errors that name them.
+
+The engine is reached through `EngineState` (engine_state.py): this module does not import the engine,
+which imports it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,10 +41,14 @@ from safetensors.torch import save_file
 # routine); the package `tnlg.modeling` is always imported before this one, by `tnlg` itself.
 from tnlg.modeling.loading import CheckpointFileError, open_safetensors, sha256_of
 
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
+from .collectives import Collectives
+from .engine_state import EngineState
+from .json_files import read_json, write_json_atomic
 
 T = TypeVar("T")
+ENGINE_DIRECTORY = "engine"  # the engine checkpoint's name inside every checkpoint directory
+# ZeroTrainer's name for it before the layouts were made one: refused with the rename, never ignored.
+OLD_TRAINER_DIRECTORY = "zero"
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
 UNMANAGED_PREFIX = "module."  # rank 0's file: frozen parameters and buffers, as the module holds them
@@ -52,6 +62,20 @@ def rank_file(directory: Path, rank: int) -> Path:
     return directory / f"rank-{rank:05d}.safetensors"
 
 
+def engine_directory(checkpoint: str | Path) -> Path:
+    """The engine checkpoint's directory inside a checkpoint directory (`checkpoint/engine`). A
+    ZeroTrainer checkpoint written before the layouts were one holds it in `zero/` instead: that is a
+    `CheckpointError` saying to rename it (nothing is lost), not a checkpoint without engine state."""
+    checkpoint = Path(checkpoint)
+    found, old = checkpoint / ENGINE_DIRECTORY, checkpoint / OLD_TRAINER_DIRECTORY
+    if not found.exists() and (old / MANIFEST).is_file():
+        raise CheckpointError(
+            f"{old} is an engine checkpoint in the old ZeroTrainer layout: rename {old} to {found} "
+            f"(mv {old} {found}; its files are unchanged) and load again"
+        )
+    return found
+
+
 def tnlg_version() -> str:
     try:
         return metadata.version("tnlg")
@@ -60,7 +84,7 @@ def tnlg_version() -> str:
 
 
 # ---------------------------------------------------------------------------------------------- saving
-def group_manifest(engine: ZeroEngine) -> list[dict[str, Any]]:
+def group_manifest(engine: EngineState) -> list[dict[str, Any]]:
     groups = []
     for group in engine.groups:
         layout = group.layout
@@ -80,7 +104,7 @@ def group_manifest(engine: ZeroEngine) -> list[dict[str, Any]]:
     return groups
 
 
-def _unmanaged_state(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+def _unmanaged_state(engine: EngineState) -> dict[str, torch.Tensor]:
     """Module state the engine does not shard (frozen parameters, buffers): needed to consolidate."""
     managed = {id(p) for group in engine.groups for p in group.params}
     return {
@@ -90,15 +114,16 @@ def _unmanaged_state(engine: ZeroEngine) -> dict[str, torch.Tensor]:
     }
 
 
-def save_engine(engine: ZeroEngine, directory: str | Path) -> None:
+def save_engine(engine: EngineState, directory: str | Path) -> None:
     """Every rank writes its shard into `directory`; rank 0 writes the manifest last. Collective."""
     directory = Path(directory)
-    rank = engine.collectives.rank
+    collectives = engine.collectives
+    rank = collectives.rank
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
-    _barrier(engine)
+    _barrier(collectives)
     tensors: dict[str, torch.Tensor] = {}
-    optimizer = engine.optimizer.optimizer
+    optimizer = engine.base_optimizer
     for index, group in enumerate(engine.groups):
         tensors[f"group{index}.master"] = group.master
         for key, value in optimizer.state.get(group.master, {}).items():
@@ -113,7 +138,7 @@ def save_engine(engine: ZeroEngine, directory: str | Path) -> None:
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
     _fsync(path)
     record = {path.name: {"sha256": sha256_of(path), "bytes": path.stat().st_size}}
-    records = engine.collectives.all_gather_object(record)
+    records = collectives.all_gather_object(record)
     if rank == 0:
         config = getattr(engine.module, "config", None)
         if config is not None and hasattr(config, "to_json_string"):
@@ -121,34 +146,24 @@ def save_engine(engine: ZeroEngine, directory: str | Path) -> None:
         manifest = {
             "format_version": FORMAT_VERSION,
             "tnlg_version": tnlg_version(),
-            "world_size": engine.world_size,
-            "stage": engine.config.stage,
-            "mixed_precision": engine.config.mixed_precision,
-            "global_steps": engine.global_steps,
-            "loss_scaler": engine.loss_scaler.state_dict(),
+            "world_size": collectives.world_size,
+            **engine.checkpoint_state(),  # stage, mixed precision, global steps, loss scaler
             "optimizer": type(optimizer).__name__,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
             "groups": group_manifest(engine),
             "unmanaged": sorted(_unmanaged_state(engine)),
             "files": {name: info for r in records for name, info in r.items()},
         }
-        staging = directory / (MANIFEST + ".tmp")
-        staging.write_text(json.dumps(manifest, indent=2, default=str))
-        _fsync(staging)
-        os.replace(staging, directory / MANIFEST)  # the manifest appears only once every file is complete
-    _barrier(engine)
+        # The manifest appears only once every file is complete.
+        write_json_atomic(directory / MANIFEST, manifest, indent=2, default=str)
+    _barrier(collectives)
 
 
 # ---------------------------------------------------------------------------------------------- reading
 def read_manifest(directory: str | Path) -> dict[str, Any]:
-    directory = Path(directory)
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise CheckpointError(f"{directory} is not a complete engine checkpoint: {MANIFEST} is missing")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{path} is not valid JSON ({error}): the manifest is corrupt") from error
+    path = Path(directory) / MANIFEST
+    # Written last: a missing one is a checkpoint cut short, or a directory that is not one.
+    manifest = read_json(path, CheckpointError, "the engine checkpoint's manifest")
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path} holds a JSON {type(manifest).__name__}, not an engine manifest")
     version = manifest.get("format_version")
@@ -303,7 +318,7 @@ class ShardReader:
 
 
 # ---------------------------------------------------------------------------------------------- loading
-def load_engine(engine: ZeroEngine, directory: str | Path, verify: bool = True) -> dict[str, Any]:
+def load_engine(engine: EngineState, directory: str | Path, verify: bool = True) -> dict[str, Any]:
     """Restore this rank's shard (master weights, optimizer state), the step and the loss scale from a
     checkpoint saved at any world size and stage. `verify` checks the sha256 of each file read.
 
@@ -311,8 +326,10 @@ def load_engine(engine: ZeroEngine, directory: str | Path, verify: bool = True) 
     anything replaced, so a damaged checkpoint raises the same `CheckpointError` on every rank (no
     rank is left waiting in a collective) and leaves the engine as it was."""
     directory = Path(directory)
-    manifest, loaded, reader = read_on_every_rank(engine, lambda: _read_shard(engine, directory, verify))
-    optimizer = engine.optimizer.optimizer
+    manifest, loaded, reader = read_on_every_rank(
+        engine.collectives, lambda: _read_shard(engine, directory, verify)
+    )
+    optimizer = engine.base_optimizer
     for group_index, (group, (master, state, hyperparameters)) in enumerate(
         zip(engine.groups, loaded, strict=True)
     ):
@@ -322,13 +339,12 @@ def load_engine(engine: ZeroEngine, directory: str | Path, verify: bool = True) 
         optimizer.param_groups[group_index].update(hyperparameters)
         group.write_back()
     _load_unmanaged(engine, reader, manifest)
-    engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
-    engine.global_steps = int(manifest["global_steps"])
+    engine.restore_checkpoint_state(manifest)
     return manifest
 
 
 def _read_shard(
-    engine: ZeroEngine, directory: Path, verify: bool
+    engine: EngineState, directory: Path, verify: bool
 ) -> tuple[dict[str, Any], list[tuple], ShardReader]:
     """This rank's (master, optimizer state, hyperparameters) per param group, read without
     communicating and without touching the engine."""
@@ -339,7 +355,7 @@ def _read_shard(
     # Opening checks sizes only: each file's sha256 is computed once, by one rank, below (every
     # rank hashing every file it reads from would hash rank 0's file on all of them).
     reader = ShardReader(directory, manifest, verify=False)
-    optimizer = engine.optimizer.optimizer
+    optimizer = engine.base_optimizer
     rank0_keys = reader.keys(0)
     loaded = []
     for group_index, group in enumerate(engine.groups):
@@ -382,7 +398,8 @@ def _read_shard(
         }
         loaded.append((master, state, hyperparameters))
     if verify:  # every saved file is hashed by one rank; read_on_every_rank makes any mismatch fail all
-        for rank in range(engine.collectives.rank, manifest["world_size"], engine.world_size):
+        collectives = engine.collectives
+        for rank in range(collectives.rank, manifest["world_size"], collectives.world_size):
             reader.check_sha256(rank)
     return manifest, loaded, reader
 
@@ -410,7 +427,7 @@ def _scalar_state_device(optimizer: torch.optim.Optimizer, group) -> torch.devic
     return group.master.device if fused else torch.device("cpu")
 
 
-def _load_unmanaged(engine: ZeroEngine, reader: ShardReader, manifest: dict[str, Any]) -> None:
+def _load_unmanaged(engine: EngineState, reader: ShardReader, manifest: dict[str, Any]) -> None:
     current = _unmanaged_state(engine)
     for name in manifest.get("unmanaged", []):
         if name in current:
@@ -419,15 +436,15 @@ def _load_unmanaged(engine: ZeroEngine, reader: ShardReader, manifest: dict[str,
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def read_on_every_rank(engine: ZeroEngine, read: Callable[[], T]) -> T:
+def read_on_every_rank(collectives: Collectives, read: Callable[[], T]) -> T:
     """`read()` on this rank, then agree: if it raised `CheckpointError` on any rank, every rank
     raises that error (naming the rank), so none is left waiting in a later collective."""
     try:
         result, failure = read(), None
     except CheckpointError as error:
         result = None
-        failure = f"rank {engine.collectives.rank}: {error}" if engine.world_size > 1 else str(error)
-    failures = [f for f in engine.collectives.all_gather_object(failure) if f is not None]
+        failure = f"rank {collectives.rank}: {error}" if collectives.world_size > 1 else str(error)
+    failures = [f for f in collectives.all_gather_object(failure) if f is not None]
     if failures:
         raise CheckpointError(
             failures[0] + (f" (and {len(failures) - 1} more ranks failed)" if len(failures) > 1 else "")
@@ -440,6 +457,6 @@ def _fsync(path: Path) -> None:
         os.fsync(stream.fileno())
 
 
-def _barrier(engine: ZeroEngine) -> None:
-    if engine.collectives.active:
-        dist.barrier(group=engine.collectives.group)
+def _barrier(collectives: Collectives) -> None:
+    if collectives.active:
+        dist.barrier(group=collectives.group)

@@ -444,7 +444,17 @@ class SectionReader:
 
     def read_precision(self, kind: str, section: Mapping[str, Any]) -> None:
         """`kind`: "bf16" or "fp16" (the section's key, "bfloat16" read as "bf16")."""
-        enabled = section.get("enabled", False)
+        self._read_enabled(kind, section.get("enabled", False))
+        for key, raw in section.items():
+            path = f"{kind}.{key}"
+            if key == "enabled":
+                continue
+            if kind == "fp16":
+                self._read_fp16_key(path, key, raw)
+            else:
+                self.other(path, key, raw, _BF16_RULES, ["enabled"])
+
+    def _read_enabled(self, kind: str, enabled: Any) -> None:
         if enabled == "auto":
             enabled = self.auto.get("mixed_precision", "no") == kind
         elif enabled is True:
@@ -456,30 +466,27 @@ class SectionReader:
         if enabled:
             self.enabled.append(kind)
             self.values["mixed_precision"] = kind
-        for key, raw in section.items():
-            path = f"{kind}.{key}"
-            if key == "enabled":
-                continue
-            if kind == "fp16" and key in _FP16_KEYS:
-                self.set(path, raw, _FP16_KEYS[key])
-            elif kind == "fp16" and key == "initial_scale_power":
-                power = self.resolve(raw, "initial_scale_power")
-                if isinstance(power, bool) or not isinstance(power, int) or not 0 <= power <= 1023:
-                    raise ValueError(
-                        f"invalid DeepSpeed config: {path} must be an integer in [0, 1023], got {power!r}"
-                    )
-                self.set(path, raw, "initial_loss_scale", 2.0**power, resolved=True)
-            elif kind == "fp16" and key == "loss_scale":
-                scale = self.resolve(raw, "static_loss_scale")
-                if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale == 0:
-                    scale = None  # DeepSpeed: 0 means dynamic loss scaling
-                self.set(path, raw, "static_loss_scale", scale, resolved=True)
-            elif kind == "fp16":
-                self.other(
-                    path, key, raw, _FP16_RULES, ["enabled", "loss_scale", "initial_scale_power", *_FP16_KEYS]
+
+    def _read_fp16_key(self, path: str, key: str, raw: Any) -> None:
+        """One key of the fp16 section other than `enabled`."""
+        if key in _FP16_KEYS:
+            self.set(path, raw, _FP16_KEYS[key])
+        elif key == "initial_scale_power":
+            power = self.resolve(raw, "initial_scale_power")
+            if isinstance(power, bool) or not isinstance(power, int) or not 0 <= power <= 1023:
+                raise ValueError(
+                    f"invalid DeepSpeed config: {path} must be an integer in [0, 1023], got {power!r}"
                 )
-            else:
-                self.other(path, key, raw, _BF16_RULES, ["enabled"])
+            self.set(path, raw, "initial_loss_scale", 2.0**power, resolved=True)
+        elif key == "loss_scale":
+            scale = self.resolve(raw, "static_loss_scale")
+            if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale == 0:
+                scale = None  # DeepSpeed: 0 means dynamic loss scaling
+            self.set(path, raw, "static_loss_scale", scale, resolved=True)
+        else:
+            self.other(
+                path, key, raw, _FP16_RULES, ["enabled", "loss_scale", "initial_scale_power", *_FP16_KEYS]
+            )
 
     def zero_config(self) -> ZeroConfig:
         if len(self.enabled) > 1:

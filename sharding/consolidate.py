@@ -49,36 +49,9 @@ def consolidate(
     """Write the checkpoint's parameters (fp32 masters, or cast to `dtype`) and its unsharded module
     state as a Transformers model directory; returns the files written."""
     checkpoint, output = Path(checkpoint), Path(output)
-    manifest = read_manifest(checkpoint)
-    reader = ShardReader(checkpoint, manifest, verify)
-    params = saved_params(manifest)
-    names = [*params, *manifest.get("unmanaged", [])]
-
-    def tensor(name: str) -> torch.Tensor:
-        if name in params:
-            value = reader.full_param(name, params[name])
-        else:
-            value = reader.tensor(0, UNMANAGED_PREFIX + name)
-        return value.to(dtype) if dtype is not None and value.is_floating_point() else value
-
-    def nbytes(name: str) -> int:
-        if name in params:
-            return params[name].numel * (torch.finfo(dtype).bits // 8 if dtype is not None else 4)
-        sliced = reader.file(0).get_slice(UNMANAGED_PREFIX + name)
-        element = torch.finfo(dtype).bits // 8 if dtype is not None else _element_size(sliced.get_dtype())
-        return int(torch.Size(sliced.get_shape()).numel()) * element
-
-    limit = parse_size(max_shard_size)
-    sizes = {name: nbytes(name) for name in names}
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name in names:
-        tensor_bytes = sizes[name]
-        if shards[-1] and size + tensor_bytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += tensor_bytes
+    tensors = _SavedTensors(checkpoint, dtype, verify)
+    sizes = {name: tensors.nbytes(name) for name in tensors.names}
+    shards = _pack(tensors.names, sizes, parse_size(max_shard_size))
     output.mkdir(parents=True, exist_ok=True)
     remove_weight_files(output)
     written, weight_map = [], {}
@@ -89,15 +62,16 @@ def consolidate(
             else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
         )
         save_file(
-            {name: tensor(name).contiguous() for name in members}, output / file, metadata={"format": "pt"}
+            {name: tensors.read(name).contiguous() for name in members},
+            output / file,
+            metadata={"format": "pt"},
         )
         written.append(output / file)
         weight_map.update(dict.fromkeys(members, file))
     if len(shards) > 1:
         index_file = output / "model.safetensors.index.json"
-        total = sum(sizes.values())
         index_file.write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2)
         )
         written.append(index_file)
     written.append(write_checksums(output, [path.name for path in written if path.suffix == ".safetensors"]))
@@ -105,6 +79,47 @@ def consolidate(
         shutil.copyfile(checkpoint / "config.json", output / "config.json")
         written.append(output / "config.json")
     return written
+
+
+class _SavedTensors:
+    """The checkpoint's tensors by their module names, each assembled on demand from the rank files'
+    slices: the sharded parameters from their fp32 masters, the rest from rank 0's file."""
+
+    def __init__(self, checkpoint: Path, dtype: torch.dtype | None, verify: bool):
+        manifest = read_manifest(checkpoint)
+        self.reader = ShardReader(checkpoint, manifest, verify)
+        self.params = saved_params(manifest)
+        self.names = [*self.params, *manifest.get("unmanaged", [])]
+        self.dtype = dtype
+
+    def read(self, name: str) -> torch.Tensor:
+        if name in self.params:
+            value = self.reader.full_param(name, self.params[name])
+        else:
+            value = self.reader.tensor(0, UNMANAGED_PREFIX + name)
+        return value.to(self.dtype) if self.dtype is not None and value.is_floating_point() else value
+
+    def nbytes(self, name: str) -> int:
+        """What `read(name)` will hold, from the manifest and the file headers alone."""
+        dtype_bytes = torch.finfo(self.dtype).bits // 8 if self.dtype is not None else None
+        if name in self.params:
+            return self.params[name].numel * (dtype_bytes or 4)
+        sliced = self.reader.file(0).get_slice(UNMANAGED_PREFIX + name)
+        element = dtype_bytes or _element_size(sliced.get_dtype())
+        return int(torch.Size(sliced.get_shape()).numel()) * element
+
+
+def _pack(names: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
+    """`names` in order, cut into shards of at most `limit` bytes (a larger tensor gets a shard alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        if shards[-1] and size + sizes[name] > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += sizes[name]
+    return shards
 
 
 def _element_size(safetensors_dtype: str) -> int:

@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,6 +31,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from .config import KeyRule, SectionReader, ZeroConfig, apply_overrides, at, disabled, mapping_kind
+from .json_files import read_json, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -317,7 +317,7 @@ def load_deepspeed(config: Mapping[str, Any] | str | Path, **auto: Any) -> DeepS
     optimizer and scheduler sections "auto" is kept and refused when they are built: a launcher that
     owns those values (the HF Trainer) fills them, tnlg does not.
     """
-    config, source = _read_json(config)
+    config, source = _read_config(config)
     with _naming(source):
         return _load(config, source, auto)
 
@@ -339,15 +339,12 @@ def _naming(source: str) -> Iterator[None]:
         raise ValueError(f"{source}: {error}") from error
 
 
-def _read_json(config: Mapping[str, Any] | str | Path) -> tuple[Mapping[str, Any], str]:
+def _read_config(config: Mapping[str, Any] | str | Path) -> tuple[Mapping[str, Any], str]:
+    """The config dict and the name errors give it: the file's path, or `DeepSpeedConfig.source`."""
     source = DeepSpeedConfig.source
     if isinstance(config, (str, Path)):
-        path = Path(config)
-        source = str(path)
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ValueError(f"{path} is not valid JSON: {error}") from error
+        source = str(config)
+        config = read_json(Path(config), ValueError, "the DeepSpeed (or ZeroConfig) JSON")
     if not isinstance(config, Mapping):
         raise ValueError(f"{source} must be a JSON object, got {type(config).__name__}")
     return config, source
@@ -513,7 +510,7 @@ def engine_settings(
         return DeepSpeedConfig(ZeroConfig.coerce(config))
     if not isinstance(config, (str, Path, Mapping)):
         raise TypeError(f"expected a ZeroConfig, a dict or a JSON path, got {type(config).__name__}")
-    config, source = _read_json(config)
+    config, source = _read_config(config)
     with _naming(source):
         if mapping_kind(config) == "fields":
             return DeepSpeedConfig(ZeroConfig(**config), source=source)
@@ -549,9 +546,7 @@ def engine_optimizer(
 def save_scheduler_state(scheduler: LRScheduler, directory: Path) -> None:
     """Rank 0 writes the schedule's position before the checkpoint's manifest (which appears last)."""
     directory.mkdir(parents=True, exist_ok=True)
-    staging = directory / (SCHEDULER_FILE + ".tmp")
-    staging.write_text(json.dumps(scheduler.state_dict()))
-    os.replace(staging, directory / SCHEDULER_FILE)
+    write_json_atomic(directory / SCHEDULER_FILE, scheduler.state_dict())
 
 
 def read_scheduler_state(scheduler: LRScheduler | None, directory: Path) -> dict[str, Any] | None:
@@ -567,7 +562,7 @@ def read_scheduler_state(scheduler: LRScheduler | None, directory: Path) -> dict
             f"{directory} has no {SCHEDULER_FILE}: it was saved by an engine without the DeepSpeed JSON's "
             f"scheduler, and this engine's {type(scheduler).__name__} would restart at step 0"
         )
-    return json.loads(path.read_text(encoding="utf-8"))
+    return read_json(path, ValueError, "the DeepSpeed JSON scheduler's state")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -3,6 +3,9 @@
 The stage is a policy, not a class hierarchy: `ZeroConfig.stage` decides which buffers a
 `FlatGroup` keeps (flat_group.py), which collective reduces a unit's gradients (grads.py), and
 whether parameters are gathered around their use (params.py).
+
+Checkpoints (checkpoint.py) and pretrained loading (pretrained.py) see the engine through the
+`EngineState` protocol (engine_state.py), which it implements: they import nothing from here.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from .loss_scaler import LossScaler
 from .offload import Placement
 from .optimizer import ShardedOptimizer
 from .params import ParameterScheduler
-from .plan import plan_sharding
+from .plan import ShardingPlan, plan_sharding
 from .pretrained import SOURCE_ATTRIBUTE, PretrainedSource, load_pretrained
 
 logger = logging.getLogger(__name__)
@@ -84,69 +87,17 @@ class ZeroEngine(nn.Module):
         _check_backend(plan.device, self.collectives)
         self.module = module
         self.compute_dtype = COMPUTE_DTYPES[self.config.mixed_precision]
-        on_meta = plan.device.type == "meta"
-        target = torch.device(device) if device is not None else plan.device
-        if target.type == "cuda" and target.index is None:  # "cuda" means the current device, as model.cuda()
-            target = torch.device("cuda", torch.cuda.current_device())
-        if on_meta and device is None:
-            target = (
-                torch.device("cuda", torch.cuda.current_device())
-                if torch.cuda.is_available()
-                else torch.device("cpu")
-            )
-        alignment = 1
-        if target.type == "cuda":
-            alignment = CUDA_ALIGNMENT_BYTES // torch.tensor([], dtype=self.compute_dtype).element_size()
+        target = _target_device(device, plan.device)
         placement = Placement(
             target,
             optimizer_on_host=self.config.offload_optimizer == "cpu",
             params_on_host=self.config.offload_param == "cpu",
         )
-        self.groups = [
-            FlatGroup(
-                group,
-                self.config.stage,
-                self.compute_dtype,
-                placement,
-                self.collectives,
-                alignment,
-                trainable=optimizer is not None,
-            )
-            for group in plan.groups
-        ]
-        source = _pretrained_source(module, pretrained)
-        self.pretrained_bytes_read = 0  # what this rank read of a pretrained checkpoint
-        if on_meta:
-            self._materialize(init_seed, target, source)
-        elif source is not None:
-            raise ValueError(
-                f"pretrained={source.path} needs a model built on the meta device (meta_from_pretrained); this "
-                "one already holds weights"
-            )
-        else:
-            if target != plan.device:
-                raise ValueError(
-                    f"device={target} differs from the model's device {plan.device}; move the model"
-                )
-            self._sync_module_states()
-            for group in self.groups:
-                group.build_from_params()
+        self.groups = self._flat_groups(plan, placement, trainable=optimizer is not None)
+        self._fill_shards(plan.device, target, init_seed, _pretrained_source(module, pretrained))
         self._cast_frozen_floating_tensors()
         self.loss_scaler = LossScaler(self.config)
-        self.optimizer = (
-            ShardedOptimizer(
-                optimizer,
-                self.groups,
-                self.collectives,
-                self.loss_scaler,
-                self.config.gradient_clipping,
-                sharded=self.config.stage >= 1,
-                offloaded=placement.optimizer_on_host,
-                fused_adam=_fused_adam_backend(self.config.fused_adam, target),
-            )
-            if optimizer is not None
-            else None
-        )
+        self.optimizer = self._sharded_optimizer(optimizer, placement) if optimizer is not None else None
         self.scheduler = (
             ParameterScheduler(plan.blocks, self.groups, self.config, self.collectives)
             if self.config.partitions_parameters
@@ -154,18 +105,7 @@ class ZeroEngine(nn.Module):
         )
         # Inference only: no gradient hooks at all, so nothing can start a reduction into buffers
         # that do not exist.
-        self.reducer = (
-            GradientReducer(
-                self.groups,
-                self.config.stage,
-                self.collectives,
-                self.config.overlap_comm,
-                on_unit_reduced=self.scheduler.on_unit_reduced if self.scheduler else None,
-                on_backward_end=self.scheduler.release_all if self.scheduler else None,
-            )
-            if optimizer is not None
-            else None
-        )
+        self.reducer = self._gradient_reducer() if optimizer is not None else None
         self.global_steps = 0  # optimizer steps (accumulation boundaries)
         self.micro_steps = 0  # step() calls, one per micro-batch
         self._engine_backwards = 0
@@ -359,6 +299,26 @@ class ZeroEngine(nn.Module):
                 result[name] = tensor.detach().clone().cpu()
         return result
 
+    # ------------------------------------------------------------------ checkpoints (EngineState)
+    @property
+    def base_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer passed in (or built from the DeepSpeed config), rebuilt over the groups' fp32
+        master shards: schedulers and checkpoints read and turn its `param_groups` and state."""
+        self._require_optimizer("base_optimizer")
+        return self.optimizer.optimizer
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {
+            "stage": self.config.stage,
+            "mixed_precision": self.config.mixed_precision,
+            "global_steps": self.global_steps,
+            "loss_scaler": self.loss_scaler.state_dict(),
+        }
+
+    def restore_checkpoint_state(self, manifest: Mapping[str, Any]) -> None:
+        self.loss_scaler.load_state_dict(manifest["loss_scaler"])
+        self.global_steps = int(manifest["global_steps"])
+
     def save_checkpoint(self, directory: str | Path) -> None:
         """Every rank writes its own shard (fp32 master + optimizer state) to `directory`. Collective."""
         self._require_optimizer("save_checkpoint")
@@ -416,6 +376,65 @@ class ZeroEngine(nn.Module):
         self.collectives.stats.reset()
 
     # ------------------------------------------------------------------ setup helpers
+    def _flat_groups(self, plan: ShardingPlan, placement: Placement, trainable: bool) -> list[FlatGroup]:
+        """One flat group per param group of the plan, its buffers not yet filled."""
+        alignment = _alignment(placement.device, self.compute_dtype)
+        return [
+            FlatGroup(
+                group,
+                self.config.stage,
+                self.compute_dtype,
+                placement,
+                self.collectives,
+                alignment,
+                trainable=trainable,
+            )
+            for group in plan.groups
+        ]
+
+    def _fill_shards(
+        self, planned: torch.device, target: torch.device, seed: int, source: PretrainedSource | None
+    ) -> None:
+        """The groups' buffers from the module's own weights (every rank taking rank 0's), or for a meta
+        model from `source` and/or the seeded initialization."""
+        self.pretrained_bytes_read = 0  # what this rank read of a pretrained checkpoint
+        if planned.type == "meta":
+            self._materialize(seed, target, source)
+            return
+        if source is not None:
+            raise ValueError(
+                f"pretrained={source.path} needs a model built on the meta device (meta_from_pretrained); this "
+                "one already holds weights"
+            )
+        if target != planned:
+            raise ValueError(f"device={target} differs from the model's device {planned}; move the model")
+        self._sync_module_states()
+        for group in self.groups:
+            group.build_from_params()
+
+    def _sharded_optimizer(self, optimizer: torch.optim.Optimizer, placement: Placement) -> ShardedOptimizer:
+        return ShardedOptimizer(
+            optimizer,
+            self.groups,
+            self.collectives,
+            self.loss_scaler,
+            self.config.gradient_clipping,
+            sharded=self.config.stage >= 1,
+            offloaded=placement.optimizer_on_host,
+            fused_adam=_fused_adam_backend(self.config.fused_adam, placement.device),
+        )
+
+    def _gradient_reducer(self) -> GradientReducer:
+        """The backward hooks; stage 3 releases each unit's gathered parameters once it is reduced."""
+        return GradientReducer(
+            self.groups,
+            self.config.stage,
+            self.collectives,
+            self.config.overlap_comm,
+            on_unit_reduced=self.scheduler.on_unit_reduced if self.scheduler else None,
+            on_backward_end=self.scheduler.release_all if self.scheduler else None,
+        )
+
     def _sync_module_states(self) -> None:
         """Every rank starts from rank 0's parameters and buffers, as DistributedDataParallel does."""
         if not self.collectives.active:
@@ -456,6 +475,31 @@ class ZeroEngine(nn.Module):
         for param in self.module.parameters():
             if not param.requires_grad and param.is_floating_point() and id(param) not in sharded:
                 param.data = param.data.to(self.compute_dtype)
+
+
+def _target_device(requested: torch.device | str | None, planned: torch.device) -> torch.device:
+    """Where the engine's buffers live: `requested`, else the model's device; a meta model's default is
+    the current CUDA device, else the CPU. "cuda" means the current device, as in model.cuda()."""
+    if requested is not None:
+        target = torch.device(requested)
+    elif planned.type == "meta":
+        target = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+    else:
+        target = planned
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    return target
+
+
+def _alignment(device: torch.device, dtype: torch.dtype) -> int:
+    """Elements each rank's piece of a unit is aligned to (see CUDA_ALIGNMENT_BYTES)."""
+    if device.type != "cuda":
+        return 1
+    return CUDA_ALIGNMENT_BYTES // torch.tensor([], dtype=dtype).element_size()
 
 
 def _pretrained_source(

@@ -39,7 +39,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,9 +54,7 @@ from tnlg.modeling.loading import (
 )
 
 from .checkpoint import CheckpointError, read_on_every_rank
-
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
+from .engine_state import ShardedModel
 
 logger = logging.getLogger(__name__)
 
@@ -265,35 +263,35 @@ class PretrainedLoad:
     bytes_read: int  # by this rank
 
 
-def load_pretrained(engine: ZeroEngine, source: PretrainedSource, device: torch.device) -> PretrainedLoad:
+def load_pretrained(engine: ShardedModel, source: PretrainedSource, device: torch.device) -> PretrainedLoad:
     """Fill a meta model's engine buffers from a safetensors checkpoint (see [Note: pretrained shards]).
 
     Called by the engine after its groups are allocated and before `finish`; the parameters it
     reports uninitialized are the engine's to initialise. Collective only at the end, where the
     ranks agree that every read succeeded."""
 
+    collectives = engine.collectives
+
     def read() -> tuple[SafetensorsCheckpoint, dict[int, str]]:
-        share = (engine.collectives.rank, engine.world_size)
+        share = (collectives.rank, collectives.world_size)
         checkpoint = SafetensorsCheckpoint(source.path, verify=source.verify_checksums, share=share)
         try:
             return checkpoint, _read_into(engine, checkpoint, source, device)
         finally:
             checkpoint.close()
 
-    checkpoint, uninitialized = read_on_every_rank(engine, read)
+    checkpoint, uninitialized = read_on_every_rank(collectives, read)
     if uninitialized:
         logger.warning(
             "%s: %d parameters are not in the checkpoint and get the seeded initialization: %s",
             source.path, len(uninitialized), _listed(sorted(uninitialized.values())),
         )  # fmt: skip
-    logger.info(
-        "%s: rank %d read %.1f MB", source.path, engine.collectives.rank, checkpoint.bytes_read / 2**20
-    )
+    logger.info("%s: rank %d read %.1f MB", source.path, collectives.rank, checkpoint.bytes_read / 2**20)
     return PretrainedLoad(frozenset(uninitialized), checkpoint.bytes_read)
 
 
 def _read_into(
-    engine: ZeroEngine, checkpoint: SafetensorsCheckpoint, source: PretrainedSource, device: torch.device
+    engine: ShardedModel, checkpoint: SafetensorsCheckpoint, source: PretrainedSource, device: torch.device
 ) -> dict[int, str]:
     """Read every matched tensor this rank needs; returns the parameters left to initialise (id -> name)."""
     match = _match(engine.module, checkpoint)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,9 +47,18 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
-from tnlg.run.checkpoint import restore_rng, rng_state, write_json
 from tnlg.sharding import DeepSpeedConfig, ZeroConfig, ZeroEngine, initialize
+from tnlg.sharding.checkpoint import engine_directory, read_on_every_rank
 from tnlg.sharding.deepspeed import engine_settings
+from tnlg.sharding.json_files import write_json
+from tnlg.state_files import (
+    read_checkpoint_json,
+    read_rank_state,
+    read_scheduler_states,
+    restore_rng,
+    write_rank_state,
+    write_scheduler_states,
+)
 
 ENV_CONFIG, ENV_STAGE = "TNLG_ZERO_CONFIG", "TNLG_ZERO_STAGE"
 
@@ -126,7 +134,7 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def __init__(self, engine: ZeroEngine):
         self.engine = engine
-        self.optimizer = engine.optimizer.optimizer
+        self.optimizer = engine.base_optimizer
         self.defaults = self.optimizer.defaults
 
     @property
@@ -270,7 +278,9 @@ class ZeroAccelerator(Accelerator):
         reads only its slices) or else from the seeded initialization `init_seed` (see
         tnlg.sharding.initialize). Returns the engine (the prepared model) and its optimizer."""
         if self.zero_config is None:
-            raise RuntimeError("prepare_engine needs the ZeRO engine on (zero_config or TNLG_ZERO_* settings)")
+            raise RuntimeError(
+                "prepare_engine needs the ZeRO engine on (zero_config or TNLG_ZERO_* settings)"
+            )
         if not any(p.is_meta for p in model.parameters()):
             model = model.to(self.device)
         engine = initialize(model, optimizer, self.zero_settings, init_seed=init_seed, pretrained=pretrained)
@@ -352,17 +362,17 @@ class ZeroAccelerator(Accelerator):
         self, output_dir: str | Path | None = None, safe_serialization: bool = True, **kwargs: Any
     ):
         """Every rank writes its engine shard and RNG states; the main process the schedulers and the
-        objects registered with `register_for_checkpointing`. JSON and safetensors, no pickles."""
+        objects registered with `register_for_checkpointing`. JSON and safetensors, no pickles; the
+        layout of a run checkpoint (see tnlg.state_files)."""
         if not self.engines:
             return super().save_state(output_dir, safe_serialization, **kwargs)
         if output_dir is None:
             raise ValueError("ZeroAccelerator.save_state needs an output_dir")
         directory = Path(output_dir)
-        self.engines[0].save_checkpoint(directory / "engine")  # collective; creates the directory
-        write_json(directory / f"rng-rank-{self.process_index:05d}.json", rng_state())
+        self.engines[0].save_checkpoint(engine_directory(directory))  # collective; creates the directory
+        write_rank_state(directory, self.process_index)
         if self.is_main_process:
-            for index, scheduler in enumerate(self._schedulers):
-                write_json(directory / f"scheduler-{index}.json", scheduler.state_dict())
+            write_scheduler_states(directory, self._schedulers)
             for index, obj in enumerate(self._custom_objects):
                 write_json(directory / f"custom-{index}.json", obj.state_dict())
         self.wait_for_everyone()
@@ -373,13 +383,24 @@ class ZeroAccelerator(Accelerator):
             return super().load_state(input_dir, **kwargs)
         if input_dir is None:
             raise ValueError("ZeroAccelerator.load_state needs an input_dir")
-        directory = Path(input_dir)
-        self.engines[0].load_checkpoint(directory / "engine")
-        for index, scheduler in enumerate(self._schedulers):
-            scheduler.load_state_dict(json.loads((directory / f"scheduler-{index}.json").read_text()))
-        for index, obj in enumerate(self._custom_objects):
-            obj.load_state_dict(json.loads((directory / f"custom-{index}.json").read_text()))
-        restore_rng(json.loads((directory / f"rng-rank-{self.process_index:05d}.json").read_text()))
+        directory, engine = Path(input_dir), self.engines[0]
+
+        def read_states() -> tuple[list[dict], list[Any], dict[str, Any]]:
+            schedulers = read_scheduler_states(directory, len(self._schedulers))
+            customs = [
+                read_checkpoint_json(directory / f"custom-{i}.json") for i in range(len(self._custom_objects))
+            ]
+            return schedulers, customs, read_rank_state(directory, self.process_index)
+
+        # As a run checkpoint's resume: every file is read, and every rank agrees it could be, before
+        # anything is restored (no rank left waiting in the engine's load for one that failed).
+        schedulers, customs, own = read_on_every_rank(engine.collectives, read_states)
+        engine.load_checkpoint(engine_directory(directory))
+        for scheduler, state in zip(self._schedulers, schedulers, strict=True):
+            scheduler.load_state_dict(state)
+        for obj, state in zip(self._custom_objects, customs, strict=True):
+            obj.load_state_dict(state)
+        restore_rng(own["rng"])
 
     def save_model(
         self,

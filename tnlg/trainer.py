@@ -18,15 +18,16 @@ neither, it is a plain `Trainer`. What the engine changes:
 - `save_model` consolidates the parameters on the main process (every rank takes part) and refuses to
   write an empty model, the ZeRO-3 failure DeepSpeed users meet under Trainer.
 - A checkpoint holds every rank's engine shard (fp32 master weights and optimizer state, in
-  `checkpoint-N/zero/`) and the scheduler as JSON next to the Trainer's own files; resuming restores
-  them exactly, and `load_best_model_at_end` restores the best checkpoint's shards.
+  `checkpoint-N/engine/`, as in run checkpoints and `save_state`) and the scheduler as JSON
+  (`scheduler.json`, see tnlg.state_files) next to the Trainer's own files; resuming restores them
+  exactly, and `load_best_model_at_end` restores the best checkpoint's shards. A checkpoint written
+  with the old `zero/` directory is refused with the rename that makes it load.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,13 +36,11 @@ from typing import Any
 from transformers import Trainer
 
 from tnlg.accelerate import ZeroAccelerator
-from tnlg.run.checkpoint import write_json
 from tnlg.sharding import ZeroConfig, ZeroEngine
+from tnlg.sharding.checkpoint import engine_directory
+from tnlg.state_files import read_scheduler_states, write_scheduler_states
 
 logger = logging.getLogger(__name__)
-
-ENGINE_DIRECTORY = "zero"  # inside checkpoint-N/
-SCHEDULER_FILE = "scheduler.json"
 
 
 class ZeroTrainer(Trainer):
@@ -108,26 +107,28 @@ class ZeroTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.engine is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        self.engine.save_checkpoint(Path(output_dir) / ENGINE_DIRECTORY)  # collective: each rank its shard
+        self.engine.save_checkpoint(engine_directory(output_dir))  # collective: each rank its shard
         if self.args.should_save and self.lr_scheduler is not None:
-            write_json(Path(output_dir) / SCHEDULER_FILE, self.lr_scheduler.state_dict())
+            write_scheduler_states(Path(output_dir), [self.lr_scheduler])
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if self.engine is None or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         directory = Path(checkpoint)
-        if not (directory / ENGINE_DIRECTORY).is_dir():
+        engine = engine_directory(directory)  # the old zero/ layout: an error saying to rename it
+        if not engine.is_dir():
             raise FileNotFoundError(
-                f"{directory} has no {ENGINE_DIRECTORY}/ engine checkpoint: it was not written by a ZeroTrainer "
+                f"{directory} has no {engine.name}/ engine checkpoint: it was not written by a ZeroTrainer "
                 "with the ZeRO engine on, so its optimizer state cannot be restored"
             )
-        self.engine.load_checkpoint(directory / ENGINE_DIRECTORY)
+        self.engine.load_checkpoint(engine)
         if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(json.loads((directory / SCHEDULER_FILE).read_text()))
+            (state,) = read_scheduler_states(directory, 1)
+            self.lr_scheduler.load_state_dict(state)
 
     def _load_best_model(self) -> None:
         if self.engine is None:
             return super()._load_best_model()
         best = Path(self.state.best_model_checkpoint)
         logger.info("loading the best model from %s (score: %s)", best, self.state.best_metric)
-        self.engine.load_checkpoint(best / ENGINE_DIRECTORY)
+        self.engine.load_checkpoint(engine_directory(best))

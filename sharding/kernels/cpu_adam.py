@@ -99,40 +99,14 @@ class CPUAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["maximize"]:
                 raise ValueError("CPUAdam does not implement maximize=True")
-            beta1, beta2 = group["betas"]
-            adamw = group["decoupled_weight_decay"]
             for param in group["params"]:
                 grad = given.get(param) if grads is not None else param.grad
                 if grad is None:
                     continue
-                if grad.is_sparse:
-                    raise RuntimeError("CPUAdam does not support sparse gradients")
-                if grad.dtype not in GRAD_DTYPES or grad.device.type != "cpu" or grad.shape != param.shape:
-                    raise ValueError(
-                        f"gradient of a {list(param.shape)} parameter is a {grad.dtype} {list(grad.shape)} tensor "
-                        f"on {grad.device}: it must be on the CPU, the parameter's shape, fp32, bf16 or fp16"
-                    )
+                _check_gradient(param, grad)
                 out = targets.get(param)
                 state = adam_state(self.state[param], param, group["amsgrad"])
-                if kernel is not None:
-                    state["step"] += 1
-                    empty = torch.empty(0)
-                    kernel.adam_step(
-                        param, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
-                        state.get("max_exp_avg_sq", empty), out if out is not None else empty,
-                        group["lr"], beta1, beta2, group["eps"], group["weight_decay"], int(state["step"].item()),
-                        adamw, group["amsgrad"], grad_scale, threads,
-                    )  # fmt: skip
-                    continue
-                torch_adam(  # counts the step itself
-                    [param], [grad.to(torch.float32) * grad_scale], [state["exp_avg"]], [state["exp_avg_sq"]],
-                    [state["max_exp_avg_sq"]] if group["amsgrad"] else [], [state["step"]],
-                    fused=True, decoupled_weight_decay=adamw, amsgrad=group["amsgrad"],
-                    beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                    eps=group["eps"], maximize=False,
-                )  # fmt: skip
-                if out is not None:
-                    out.copy_(param)
+                _update(kernel, threads, group, param, grad, state, out, grad_scale)
         return loss
 
     def _by_param(self, tensors, what: str) -> dict[torch.Tensor, torch.Tensor]:
@@ -163,3 +137,47 @@ class CPUAdam(torch.optim.Optimizer):
             )
         if not out.is_contiguous():
             raise ValueError("out16 tensors must be contiguous")
+
+
+def _check_gradient(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if grad.is_sparse:
+        raise RuntimeError("CPUAdam does not support sparse gradients")
+    if grad.dtype not in GRAD_DTYPES or grad.device.type != "cpu" or grad.shape != param.shape:
+        raise ValueError(
+            f"gradient of a {list(param.shape)} parameter is a {grad.dtype} {list(grad.shape)} tensor "
+            f"on {grad.device}: it must be on the CPU, the parameter's shape, fp32, bf16 or fp16"
+        )
+
+
+def _update(
+    kernel: Any,
+    threads: int,
+    group: dict[str, Any],
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    out: torch.Tensor | None,
+    grad_scale: float,
+) -> None:
+    """One parameter's step: in the C++ kernel when it is built (the step is counted here; the kernel
+    writes `out` itself), else torch's fused Adam on an fp32 gradient, then a copy to `out`."""
+    beta1, beta2 = group["betas"]
+    if kernel is not None:
+        state["step"] += 1
+        empty = torch.empty(0)
+        kernel.adam_step(
+            param, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
+            state.get("max_exp_avg_sq", empty), out if out is not None else empty,
+            group["lr"], beta1, beta2, group["eps"], group["weight_decay"], int(state["step"].item()),
+            group["decoupled_weight_decay"], group["amsgrad"], grad_scale, threads,
+        )  # fmt: skip
+        return
+    torch_adam(  # counts the step itself
+        [param], [grad.to(torch.float32) * grad_scale], [state["exp_avg"]], [state["exp_avg_sq"]],
+        [state["max_exp_avg_sq"]] if group["amsgrad"] else [], [state["step"]],
+        fused=True, decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"],
+        beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+        eps=group["eps"], maximize=False,
+    )  # fmt: skip
+    if out is not None:
+        out.copy_(param)

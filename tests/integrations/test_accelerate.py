@@ -24,6 +24,7 @@ def runs(tmp_path_factory):
     return run_distributed(_all, 2, str(directory), timeout=600)[0], directory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_losses_equal_plain_accelerate(runs, stage):
     results, _ = runs
@@ -33,6 +34,7 @@ def test_losses_equal_plain_accelerate(runs, stage):
     assert len(results["ddp"]["norms"]) == 4  # clipped once per optimizer step, not per micro-step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_save_model_reloads_with_from_pretrained(runs, stage):
     results, directory = runs
@@ -81,9 +83,15 @@ def test_without_a_zero_config_it_is_a_plain_accelerator(monkeypatch):
     assert accelerator.unwrap_model(prepared) is model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_save_state_and_load_state_continue_exactly(tmp_path, stage):
     from tests.support.accelerate_cases import save_and_load_state
 
-    result = run_distributed(save_and_load_state, 2, stage, str(tmp_path / "state"))[0]
+    results = run_distributed(save_and_load_state, 2, stage, str(tmp_path / "state"))
+    result = results[0]
     assert result["rest"] == pytest.approx(result["whole"][result["half"] :], rel=1e-6)
+    # The layout of a run checkpoint: the engine in engine/, RNG per rank, the scheduler.
+    assert result["files"] == ["engine", "rank-00000.json", "rank-00001.json", "scheduler.json"]
+    # A missing state file fails on every rank, before the engine's load (where a lone rank would hang).
+    assert all("rank-00001.json is missing" in r["missing"] for r in results), results

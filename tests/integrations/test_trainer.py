@@ -29,6 +29,7 @@ def runs(tmp_path_factory):
     return run_distributed(_every_stage, 2, str(directory), timeout=900)[0], directory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_losses_and_norms_equal_the_plain_trainer(runs, stage):
     results, _ = runs
@@ -41,6 +42,7 @@ def test_losses_and_norms_equal_the_plain_trainer(runs, stage):
     assert results["ddp"]["losses"][-1] < results["ddp"]["losses"][0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_save_model_writes_the_trained_weights(runs, stage):
     _, directory = runs
@@ -49,13 +51,16 @@ def test_save_model_writes_the_trained_weights(runs, stage):
     for name, tensor in ddp.items():
         # Adam normalizes tiny gradients: reduction-order noise reaches ~1e-5; one step of lr 1e-2 is 1e-2.
         torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-4, msg=name)
-    assert (directory / f"stage{stage}" / "checkpoint-2" / "zero").is_dir()
+    checkpoint = directory / f"stage{stage}" / "checkpoint-2"
+    assert (checkpoint / "engine" / "manifest.json").is_file()  # the layout of run checkpoints and save_state
+    assert (checkpoint / "scheduler.json").is_file()
 
 
 def _from_pretrained_shards(rank: int, world_size: int, directory: str, saved: str) -> dict:
     return train(rank, world_size, 3, directory, save_final=False, pretrained=saved)
 
 
+@pytest.mark.slow
 def test_a_meta_model_from_pretrained_trains_like_the_loaded_model(runs, tmp_path):
     """The Trainer gets a meta-device model; the engine fills each rank's shards from the checkpoint."""
     results, _ = runs
@@ -72,6 +77,7 @@ def _resumed(rank: int, world_size: int, directory: str, stage: int) -> dict:
     return train(rank, world_size, stage, directory, max_steps=4, resume=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_resume_from_a_checkpoint_continues_exactly(runs, stage, tmp_path):
     results, _ = runs
@@ -88,6 +94,7 @@ def _selection(rank: int, world_size: int, directory: str) -> dict:
     from transformers import TrainingArguments
 
     from tests.support.zero_tnlg_cases import debug_model
+    from tnlg.sharding.checkpoint import CheckpointError
     from tnlg.trainer import ZeroTrainer
 
     def make(**arguments):
@@ -104,6 +111,13 @@ def _selection(rank: int, world_size: int, directory: str) -> dict:
         trainer._load_optimizer_and_scheduler(directory)
     except FileNotFoundError as error:
         found["no engine checkpoint"] = str(error)
+    old = Path(directory) / "old-layout"  # a checkpoint-N of before the layouts were one: engine in zero/
+    (old / "zero").mkdir(parents=True)
+    (old / "zero" / "manifest.json").write_text("{}")
+    try:
+        trainer._load_optimizer_and_scheduler(str(old))
+    except CheckpointError as error:
+        found["old layout"] = str(error)
     found["bf16"] = train(rank, world_size, 2, f"{directory}/bf16", bf16=True, save_final=False)
     try:
         make(fsdp="full_shard")
@@ -112,11 +126,14 @@ def _selection(rank: int, world_size: int, directory: str) -> dict:
     return found
 
 
+@pytest.mark.slow
 def test_the_engine_is_selected_by_argument_or_environment_and_conflicts_are_named(tmp_path):
     found = run_distributed(_selection, 1, str(tmp_path), timeout=300)[0]
     assert found["none"] == "Accelerator"  # nothing asks for ZeRO: the plain Trainer
     assert found["environment"] == ("ZeroAccelerator", 2)
-    assert "has no zero/ engine checkpoint" in found["no engine checkpoint"]
+    assert "has no engine/ engine checkpoint" in found["no engine checkpoint"]
+    assert "old ZeroTrainer layout: rename" in found["old layout"]
+    assert "old-layout/zero to" in found["old layout"]
     assert "remove the DeepSpeed / FSDP settings" in found["fsdp"]
     bf16 = found["bf16"]  # TrainingArguments(bf16=True) selects the engine's bf16 parameters
     assert bf16["parameter_dtype"] == "torch.bfloat16"
@@ -149,6 +166,7 @@ def _best_model(rank: int, world_size: int, directory: str) -> dict:
     return {"best": trainer.state.best_model_checkpoint, "state": trainer.engine.full_state_dict()}
 
 
+@pytest.mark.slow
 def test_load_best_model_at_end_restores_the_best_checkpoint_shards(tmp_path):
     result = run_distributed(_best_model, 1, str(tmp_path), timeout=300)[0]
     best = TNLGForCausalLM.from_pretrained(result["best"]).state_dict()

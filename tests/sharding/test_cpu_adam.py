@@ -53,6 +53,7 @@ def run_both(
     return ours, reference, out, optimizer, expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("adamw_mode", [True, False])

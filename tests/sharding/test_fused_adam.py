@@ -163,6 +163,7 @@ def engine_runs():
     return run_distributed(fused_adam_matrix, 2, timeout=900)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["no", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_engine_steps_through_the_fused_kernel_like_torch(engine_runs, stage, precision):
@@ -174,6 +175,7 @@ def test_engine_steps_through_the_fused_kernel_like_torch(engine_runs, stage, pr
     assert_states_close(fused["state"], {k: v.float() for k, v in plain["state"].items()}, atol=tolerance)
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("stage", [0, 3])
 def test_engine_runs_the_triton_kernel(engine_runs, stage):
@@ -182,6 +184,7 @@ def test_engine_runs_the_triton_kernel(engine_runs, stage):
     assert_states_close(triton_run["state"], {k: v.float() for k, v in plain["state"].items()}, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_engine_fused_step_with_clipping_and_accumulation(engine_runs):
     fused, plain = engine_runs[(2, "no", "reference-clip")], engine_runs[(2, "no", "none-clip")]
     assert fused["norms"] == pytest.approx(plain["norms"], rel=1e-6)

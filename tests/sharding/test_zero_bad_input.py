@@ -59,6 +59,7 @@ def _initialize_with_a_bad_optimizer(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_every_rank_raises_the_same_error_without_hanging():
     messages = run_distributed(_initialize_with_a_bad_optimizer, 2, timeout=120, collective_timeout=20)
     assert messages[0] == messages[1]

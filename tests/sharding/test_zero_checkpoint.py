@@ -10,9 +10,19 @@ import pytest
 import torch
 
 from tests.support.zero_models import batches, local, make_model, make_optimizer
+from tnlg.run.checkpoint import find_engine_checkpoint
 from tnlg.sharding import ZeroConfig, initialize
-from tnlg.sharding.checkpoint import CheckpointError, ShardReader, read_manifest, saved_params
+from tnlg.sharding.checkpoint import (
+    ENGINE_DIRECTORY,
+    CheckpointError,
+    ShardReader,
+    engine_directory,
+    read_manifest,
+    saved_params,
+)
 from tnlg.tools.spawn import run_distributed
+
+pytestmark = pytest.mark.slow  # every test here launches processes (see pyproject's markers)
 
 
 def _train(rank, world_size, stage, steps, save_at=None, resume_from=None, directory=None):
@@ -170,3 +180,34 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(saved, damage, message)
 def test_a_checkpoint_of_another_model_is_refused_naming_the_parameters(saved):
     error = run_distributed(_try_load, 2, str(saved), "other")[0]
     assert "holds a different model's parameters; missing: added" in error
+
+
+def _manifest_in(directory: Path) -> Path:
+    """A directory that looks like an engine checkpoint to the finders (they look for its manifest)."""
+    directory.mkdir(parents=True)
+    (directory / "manifest.json").write_text("{}")
+    return directory
+
+
+def test_every_checkpoint_layout_finds_its_engine_directory(tmp_path):
+    bare = _manifest_in(tmp_path / "bare")
+    holder = _manifest_in(tmp_path / "save_state" / "engine").parent  # save_state, step-N, checkpoint-N
+    run = tmp_path / "run" / "checkpoints"
+    step = _manifest_in(run / "step-00000004" / "engine")
+    (run / "latest").write_text('{"checkpoint": "step-00000004"}')
+    assert find_engine_checkpoint(bare) == bare
+    assert find_engine_checkpoint(holder) == holder / ENGINE_DIRECTORY
+    assert find_engine_checkpoint(run) == step
+    assert engine_directory(holder) == holder / ENGINE_DIRECTORY
+    with pytest.raises(FileNotFoundError, match="holds no engine checkpoint"):
+        find_engine_checkpoint(tmp_path / "run")
+
+
+def test_a_trainer_checkpoint_of_the_old_zero_layout_says_to_rename_it(tmp_path):
+    checkpoint = _manifest_in(tmp_path / "checkpoint-2" / "zero").parent
+    rename = re.escape(f"rename {checkpoint / 'zero'} to {checkpoint / 'engine'}")
+    for find in (engine_directory, find_engine_checkpoint):
+        with pytest.raises(CheckpointError, match=rename):
+            find(checkpoint)
+    (checkpoint / "zero").rename(checkpoint / "engine")  # the rename the error asks for: it loads
+    assert find_engine_checkpoint(checkpoint) == checkpoint / "engine"

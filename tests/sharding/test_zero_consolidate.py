@@ -17,6 +17,8 @@ from tnlg.sharding import consolidate as consolidate_module
 from tnlg.sharding.consolidate import consolidate, parse_size
 from tnlg.tools.spawn import run_distributed
 
+pytestmark = pytest.mark.slow  # every test here launches processes (see pyproject's markers)
+
 
 def _train_and_save(rank, world_size, stage, directory):
     model = debug_model()

@@ -442,6 +442,7 @@ def world(request):
     return request.param, run_distributed(every_stage, request.param, timeout=600)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", (0, 1, 2, 3))
 def test_accumulating_micro_steps_equals_one_step_on_the_whole_batch(world, reference, stage):
     """The JSON's accumulation, optimizer, scheduler and clipping, through backward + step on every
@@ -483,6 +484,7 @@ def test_the_scheduler_is_not_stepped_after_an_overflow_skip():
     assert engine.lr_scheduler.last_batch_iteration == -1  # as built: DeepSpeed steps it only after updates
 
 
+@pytest.mark.slow
 def test_a_checkpoint_keeps_the_schedule_and_is_taken_only_at_a_boundary(tmp_path):
     result = run_distributed(save_and_resume, 1, str(tmp_path / "checkpoint"))[0]
     assert "inside an accumulation window (1 of 2 micro-steps accumulated)" in result["mid_window"]
@@ -493,6 +495,7 @@ def test_a_checkpoint_keeps_the_schedule_and_is_taken_only_at_a_boundary(tmp_pat
 
 
 # ------------------------------------------------------------------------------------------ Accelerate
+@pytest.mark.slow
 def test_the_accelerator_adopts_the_json_accumulation_and_the_engine_does_not_accumulate_again(tmp_path):
     path = tmp_path / "ds.json"
     ds = {

@@ -43,6 +43,7 @@ def assert_states_close(state, expected, atol):
         torch.testing.assert_close(state[name].float(), tensor, atol=atol, rtol=0, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_fp32_equals_single_process(world, reference, stage):
     _, results = world

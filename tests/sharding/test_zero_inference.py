@@ -62,6 +62,7 @@ def runs(checkpoint):
     return run_distributed(_every_case, 2, checkpoint[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [(0, False), (3, False), (3, True)])
 def test_inference_engine_computes_the_unsharded_logits_without_gradients(checkpoint, runs, case):
     _, model = checkpoint
@@ -77,6 +78,7 @@ def test_inference_engine_computes_the_unsharded_logits_without_gradients(checkp
         assert torch.equal(state[name], tensor), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frozen", [False, True])
 def test_stage_3_inference_engine_holds_a_shard_and_releases_after_forward(checkpoint, runs, frozen):
     _, model = checkpoint
@@ -88,6 +90,7 @@ def test_stage_3_inference_engine_holds_a_shard_and_releases_after_forward(check
         assert result["live_after_forward"] == 0  # a grad-enabled forward kept nothing gathered
 
 
+@pytest.mark.slow
 def test_training_calls_raise_naming_inference_only(runs):
     for rank in runs:
         for case in rank.values():

@@ -45,6 +45,7 @@ def _train_meta_awkward(rank: int, world_size: int, stage: int) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world_size", "stage"), [(1, 3), (2, 1), (2, 3)])
 def test_shards_hold_the_unsharded_seeded_values(world_size, stage):
     result = run_distributed(_materialized_state, world_size, stage)[0]
@@ -68,6 +69,7 @@ def test_seeded_init_follows_the_model_init_rules():
     assert not torch.equal(other.model.embed_tokens.weight, model.model.embed_tokens.weight)
 
 
+@pytest.mark.slow
 def test_a_meta_model_trains_like_the_same_model_built_unsharded():
     """Frozen layer, tied embedding, odd sizes: materialized on 2 ranks at stage 3, then trained;
     rank 0's losses (on its half of each batch) equal those of the unsharded seeded model trained on

@@ -82,6 +82,7 @@ def _engine_buffers(engine) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------- memory
+@pytest.mark.slow
 @pytest.mark.parametrize("close", [False, True], ids=["dropped", "closed"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_dropped_engine_frees_everything_it_held(name, close):
@@ -144,6 +145,7 @@ def test_close_is_idempotent_and_the_closed_engine_refuses_to_run(stage, tmp_pat
             assert engine.module(*batch) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_close_waits_for_the_work_an_error_left_in_flight(stage):
     """Stage 2: a backward interrupted after bucket reductions were launched; stage 3: a prefetched

@@ -41,6 +41,7 @@ def assert_same_run(run, other, rel=1e-6, atol=1e-6):
     assert_states_close(run["state"], {k: v.float() for k, v in other["state"].items()}, atol=atol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["fp32", "accumulate", "accumulate-synced"])
 @pytest.mark.parametrize("stage", STAGES)
 def test_offloaded_optimizer_equals_single_process(world, reference, stage, case):
@@ -117,6 +118,7 @@ def test_memory_is_accounted_to_host_and_device(world):
     assert both["device"] == both["params"] - both["master"] // 2
 
 
+@pytest.mark.slow
 def test_checkpoints_move_across_offload_settings(tmp_path):
     result = run_distributed(checkpoint_across_offload, 2, str(tmp_path / "ckpt"))[0]
     whole = result["whole"]

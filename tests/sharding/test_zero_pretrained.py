@@ -40,6 +40,7 @@ def _logits(model: TNLGForCausalLM) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_stage3_ranks_read_only_their_slices_and_hold_the_exact_values(saved, world_size):
     path, model = saved
@@ -53,6 +54,7 @@ def test_stage3_ranks_read_only_their_slices_and_hold_the_exact_values(saved, wo
         assert result["master_bytes"] <= total / world_size + 4 * 1024
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_stages_that_keep_whole_parameters_load_the_exact_values(saved, stage):
     path, model = saved
@@ -152,6 +154,7 @@ def test_an_equal_saved_output_layer_is_accepted(saved, tmp_path):
     assert torch.equal(result["state"]["lm_head.weight"], model.state_dict()["lm_head.weight"])
 
 
+@pytest.mark.slow
 def test_a_damaged_shard_fails_on_every_rank_without_a_hang(saved, tmp_path):
     path, _ = saved
     damaged = tmp_path / "model"

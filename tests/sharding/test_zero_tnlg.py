@@ -33,6 +33,7 @@ def _without_key_bias(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_stage_trains_the_debug_model_like_stage_0(runs, stage):
     assert runs[stage]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-5)
@@ -47,10 +48,12 @@ def test_every_stage_trains_the_debug_model_like_stage_0(runs, stage):
         )
 
 
+@pytest.mark.slow
 def test_stage_3_with_activation_checkpointing_trains_like_stage_0(runs):
     assert runs["checkpointed-3"]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_engine_memory_matches_the_estimator(runs, stage):
     """The engine's own byte count against `tnlg.tools.memory` for fp32 + AdamW on 2 ranks: equal up to
@@ -66,6 +69,7 @@ def test_engine_memory_matches_the_estimator(runs, stage):
     ] == pytest.approx(estimate.model_states, abs=64 * 20)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_sharded_model_generates_like_the_consolidated_one(runs, stage):
     model = debug_model()
@@ -76,6 +80,7 @@ def test_sharded_model_generates_like_the_consolidated_one(runs, stage):
     assert torch.equal(runs[stage]["generated"], expected)
 
 
+@pytest.mark.slow
 def test_consolidated_state_saves_and_reloads_with_from_pretrained(runs, tmp_path):
     model = debug_model()
     model.load_state_dict(runs[3]["state"])
@@ -85,6 +90,7 @@ def test_consolidated_state_saves_and_reloads_with_from_pretrained(runs, tmp_pat
         assert torch.equal(reloaded.state_dict()[name], tensor), name
 
 
+@pytest.mark.slow
 def test_stage_3_holds_a_fraction_of_stage_0(runs):
     assert runs[3]["memory"]["params"] < runs[0]["memory"]["params"]
     assert runs[3]["memory"]["master"] < runs[0]["memory"]["master"]

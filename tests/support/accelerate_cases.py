@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -10,6 +11,7 @@ from accelerate import Accelerator
 from tests.support.zero_tnlg_cases import debug_model
 from tnlg.accelerate import ZeroAccelerator
 from tnlg.sharding import ZeroConfig
+from tnlg.sharding.checkpoint import CheckpointError
 
 STEPS, ACCUMULATION, MICRO_BATCH = 4, 2, 2
 
@@ -83,7 +85,8 @@ def _train(accelerator, model, optimizer, loader, scheduler) -> list[float]:
 
 
 def save_and_load_state(rank: int, world_size: int, stage: int, directory: str) -> dict:
-    """Uninterrupted losses, and the losses after save_state halfway and load_state into fresh objects."""
+    """Uninterrupted losses, the losses after save_state halfway and load_state into fresh objects, the
+    files save_state wrote, and what load_state says on each rank once rank 1's state file is gone."""
     whole = _train(*_prepared(stage))
     # Train the first half, save, then continue in fresh objects from the saved state.
     accelerator, model, optimizer, loader, scheduler = _prepared(stage)
@@ -93,4 +96,14 @@ def save_and_load_state(rank: int, world_size: int, stage: int, directory: str) 
     accelerator, model, optimizer, loader, scheduler = _prepared(stage)
     accelerator.load_state(directory)
     rest = _train(accelerator, model, optimizer, accelerator.skip_first_batches(loader, half), scheduler)
-    return {"whole": whole, "rest": rest, "half": half}
+    files = sorted(path.name for path in Path(directory).iterdir())
+    accelerator.wait_for_everyone()
+    if rank == 1:
+        (Path(directory) / "rank-00001.json").unlink()
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.load_state(directory)
+        missing = None
+    except CheckpointError as error:
+        missing = str(error)
+    return {"whole": whole, "rest": rest, "half": half, "files": files, "missing": missing}
