@@ -24,8 +24,8 @@ def runs(tmp_path_factory):
     return run_distributed(_all, 2, str(directory), timeout=600)[0], directory
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.slow
 def test_losses_equal_plain_accelerate(runs, stage):
     results, _ = runs
     assert results[stage]["losses"] == pytest.approx(results["ddp"]["losses"], rel=1e-5)

@@ -126,14 +126,14 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
         pretrained=config.model.init_from if job.build_model is None else None,
     )
     run = Run(
-        config=config,
-        job=job,
-        accelerator=accelerator,
-        engine=engine,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        tokenizer=tokenizer,
-        architecture=architecture,
+        config,
+        job,
+        accelerator,
+        engine,
+        optimizer,
+        scheduler,
+        tokenizer,
+        architecture,
         stream=job.batches(tokenizer, accelerator.process_index, accelerator.num_processes),
         checkpointer=RunCheckpointer(
             output / "checkpoints", keep_last=train_section.keep_last, accelerator=accelerator
