@@ -92,7 +92,10 @@ class TNLGConfig(PreTrainedConfig):
         fused_kernels: the Triton LayerNorm, bias + GeLU (`gelu_new` only) and chunked LM-head
             cross-entropy of `fused_ops.py`: `auto` uses them on CUDA tensors when Triton is installed
             (so not on CPU), `triton` always (CPU tensors need TRITON_INTERPRET=1), `none` never. The
-            fused loss returns no logits when given labels (they are never made in full).
+            fused loss returns no logits when given labels (they are never made in full); without
+            autograd (evaluation) it computes the loss alone. The MLP's first projection and the LM
+            head run fused only while they are plain `nn.Linear`s: one wrapped by a peft LoRA
+            adapter or carrying hooks is called as a module (its logits then made in full).
     """
 
     model_type = "tnlg"

@@ -8,7 +8,8 @@
   in the compute dtype) are made, a Triton kernel turns each row into its loss and, in place, its
   logit gradient (online softmax over vocabulary blocks), and the chunk's input and weight gradients
   follow by two matmuls. The full (tokens x vocab) logits, let alone in fp32, never exist: at
-  Ψ-scale vocabularies that tensor is often the largest of the step.
+  Ψ-scale vocabularies that tensor is often the largest of the step. Without autograd (no_grad,
+  inference_mode, or no input requiring grad, as in evaluation) only the losses are computed.
 
 `TNLGConfig.fused_kernels` selects them: `auto` (Triton on CUDA tensors when Triton is installed,
 the references elsewhere, so off on CPU), `triton` (always; CPU tensors need TRITON_INTERPRET=1,
@@ -162,8 +163,10 @@ def _cross_entropy_kernel():
         ignore_index,
         BLOCK: tl.constexpr,
         NUM_BLOCKS: tl.constexpr,
+        WRITE_GRAD: tl.constexpr,
     ):
-        """Per row: loss = logsumexp - target logit; the logits become softmax - onehot (0 if ignored)."""
+        """Per row: loss = logsumexp - target logit; with WRITE_GRAD the logits become softmax - onehot
+        (0 if ignored), without it (evaluation) the second pass over the row is skipped."""
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * n_cols
         target = tl.load(targets_ptr + row)
@@ -180,13 +183,14 @@ def _cross_entropy_kernel():
         safe_target = tl.where(ignored, 0, target)
         target_logit = tl.load(base + safe_target).to(tl.float32)
         tl.store(loss_ptr + row, tl.where(ignored, 0.0, lse - target_logit))
-        row_scale = tl.where(ignored, 0.0, 1.0)
-        for block in range(NUM_BLOCKS):
-            cols = block * BLOCK + tl.arange(0, BLOCK)
-            mask = cols < n_cols
-            x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-            grad = tl.exp(x - lse) - tl.where(cols == safe_target, 1.0, 0.0)
-            tl.store(base + cols, (grad * row_scale).to(logits_ptr.dtype.element_ty), mask=mask)
+        if WRITE_GRAD:
+            row_scale = tl.where(ignored, 0.0, 1.0)
+            for block in range(NUM_BLOCKS):
+                cols = block * BLOCK + tl.arange(0, BLOCK)
+                mask = cols < n_cols
+                x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+                grad = tl.exp(x - lse) - tl.where(cols == safe_target, 1.0, 0.0)
+                tl.store(base + cols, (grad * row_scale).to(logits_ptr.dtype.element_ty), mask=mask)
 
     return cross_entropy_rows
 
@@ -281,41 +285,69 @@ def bias_gelu(x, bias, choice: str = "triton"):
 
 
 # ---------------------------------------------------------------------------- LM head + cross-entropy
+def _chunk_losses(logits, targets, losses, ignore_index: int, write_grad: bool) -> None:
+    """One chunk's row losses into `losses`; with `write_grad` its logits (C, V) are replaced in place
+    by their unscaled gradient softmax - onehot."""
+    rows, vocab = logits.shape
+    block = min(_row_block(vocab), 4096)
+    if rows:
+        _cross_entropy_kernel()[(rows,)](
+            logits, targets, losses, vocab, ignore_index,
+            BLOCK=block, NUM_BLOCKS=(vocab + block - 1) // block, WRITE_GRAD=write_grad,
+            num_warps=_warps(block),
+        )  # fmt: skip
+
+
+def _add_weight_gradient(grad_weight, logit_grad, chunk, block_rows: int) -> None:
+    """`grad_weight (V, H) fp32 += logit_grad.T (V, C) @ chunk (C, H)` with no (V, H) temporary.
+
+    fp32 operands accumulate in place (addmm_). 16-bit ones multiply in their dtype (tensor cores)
+    one block of `block_rows` vocabulary rows at a time, so the product waiting to be added in fp32
+    is (block_rows, H): a whole (V, H) product would be 2 GB at MT-NLG's 50304 x 20480.
+    """
+    if logit_grad.dtype == torch.float32:
+        grad_weight.addmm_(logit_grad.T, chunk)
+        return
+    for start in range(0, grad_weight.shape[0], block_rows):
+        end = min(start + block_rows, grad_weight.shape[0])
+        grad_weight[start:end].add_(logit_grad[:, start:end].T @ chunk)
+
+
+def _scaled(grad: torch.Tensor | None, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The fp32 accumulator times `scale`, in place (nothing reads it after backward), cast once to
+    the input's dtype (an fp32 input gets the accumulator itself): no second fp32 copy exists."""
+    return None if grad is None else grad.mul_(scale).to(dtype)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Loss and the unscaled gradients computed chunk by chunk in forward; backward scales them.
 
     The logit gradients (softmax - onehot) are kept unscaled in 16 bits: multiplied by 1/tokens
     there, most of them would underflow fp16 before the loss scale (which only backward knows) could
-    lift them. The input and weight gradients accumulate in fp32 across chunks and are rounded once,
-    in backward, after the scaling: N x H and V x H fp32, far less than the N x V logits.
+    lift them. The input and weight gradients accumulate in fp32 across chunks, only for the inputs
+    that need one, and are scaled in place and rounded once in backward: at most one N x H and one
+    V x H fp32 buffer, far less than the N x V logits. They are saved with save_for_backward, so a
+    second backward through a retained graph (which would scale them twice) is an autograd error.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, num_items, chunk_rows):
-        rows, vocab = hidden.shape[0], weight.shape[0]
-        # the divisor stays on the device (no host sync): the tokens with a target, or num_items
-        if num_items is None:
-            count = (targets != ignore_index).sum().clamp_min(1).float()
-        else:
-            count = torch.tensor(float(num_items), device=hidden.device)
-        wants_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad_hidden = grad_weight = None
-        if wants_grad:
-            grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        losses = torch.empty(rows, dtype=torch.float32, device=hidden.device)
-        block = min(_row_block(vocab), 4096)
+    def forward(ctx, hidden, weight, targets, ignore_index, count, chunk_rows):
+        rows = hidden.shape[0]
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        fp32 = {"dtype": torch.float32, "device": hidden.device}
+        grad_hidden = torch.empty(hidden.shape, **fp32) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, **fp32) if want_weight else None
+        losses = torch.empty(rows, **fp32)
         for start in range(0, rows, chunk_rows):
             end = min(start + chunk_rows, rows)
             chunk = hidden[start:end]
             logits = chunk @ weight.T  # (C, V) in the compute dtype; becomes its own gradient below
-            _cross_entropy_kernel()[(end - start,)](
-                logits, targets[start:end], losses[start:end], vocab, ignore_index,
-                BLOCK=block, NUM_BLOCKS=(vocab + block - 1) // block, num_warps=_warps(block),
-            )  # fmt: skip
-            if wants_grad:
-                grad_hidden[start:end] = logits @ weight
-                grad_weight += logits.T @ chunk
+            _chunk_losses(logits, targets[start:end], losses[start:end], ignore_index, write_grad=True)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = logits @ weight  # (C, H)
+            if grad_weight is not None:
+                _add_weight_gradient(grad_weight, logits, chunk, chunk_rows)
+            del logits  # before the next chunk's are made: one (C, V) block alive, not two
         ctx.save_for_backward(grad_hidden, grad_weight, count)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return losses.sum() / count
@@ -325,7 +357,32 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, count = ctx.saved_tensors
         scale = grad_loss.float() / count
         hidden_dtype, weight_dtype = ctx.dtypes
-        return (grad_hidden * scale).to(hidden_dtype), (grad_weight * scale).to(weight_dtype), *[None] * 4
+        return (
+            _scaled(grad_hidden, scale, hidden_dtype),
+            _scaled(grad_weight, scale, weight_dtype),
+            *[None] * 4,
+        )
+
+
+def _losses_only(hidden, weight, targets, ignore_index: int, count, chunk_rows: int) -> torch.Tensor:
+    """The loss alone, chunk by chunk (evaluation): no gradient buffer, no gradient matmul, and the
+    kernel skips its second pass over each row."""
+    losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_rows):
+        end = min(start + chunk_rows, hidden.shape[0])
+        logits = hidden[start:end] @ weight.T  # (C, V)
+        _chunk_losses(logits, targets[start:end], losses[start:end], ignore_index, write_grad=False)
+        del logits  # before the next chunk's are made
+    return losses.sum() / count
+
+
+def _divisor(targets: torch.Tensor, ignore_index: int, num_items, device: torch.device) -> torch.Tensor:
+    """The loss's divisor, kept on the device (no host sync): the tokens with a target, or num_items."""
+    if num_items is None:
+        return (targets != ignore_index).sum().clamp_min(1).float()
+    if isinstance(num_items, torch.Tensor):
+        return num_items.detach().to(device=device, dtype=torch.float32).reshape(())
+    return torch.tensor(float(num_items), device=device)
 
 
 def linear_cross_entropy(
@@ -333,25 +390,35 @@ def linear_cross_entropy(
     weight: torch.Tensor,
     targets: torch.Tensor,
     ignore_index: int = -100,
-    num_items: int | None = None,
+    num_items: int | torch.Tensor | None = None,
     choice: str = "triton",
     chunk_rows: int = CROSS_ENTROPY_CHUNK_ROWS,
 ) -> torch.Tensor:
     """Cross-entropy of `hidden (N, H) @ weight.T (V, H)` against `targets (N,)`: the mean over
-    non-ignored rows, or the sum divided by `num_items` (Transformers' `num_items_in_batch`)."""
+    non-ignored rows, or the sum divided by `num_items` (Transformers' `num_items_in_batch`).
+
+    `chunk_rows` bounds the rows of every temporary: the (chunk_rows, V) logits, and for 16-bit
+    weights the (chunk_rows, H) blocks of the weight gradient's product."""
     if not use_triton(choice, hidden):
         return linear_cross_entropy_reference(hidden, weight, targets, ignore_index, num_items)
-    if isinstance(num_items, torch.Tensor):
-        num_items = int(num_items.item())
+    if chunk_rows < 1:
+        raise ValueError(f"linear_cross_entropy needs chunk_rows >= 1, got {chunk_rows}")
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         # What autocast would make of the LM head's matmul, then no autocast inside: the in-place
         # kernel and the gradient matmuls need their operands in one dtype.
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
+    count = _divisor(targets, ignore_index, num_items, hidden.device)
+    # Function.forward sees needs_input_grad from requires_grad alone, also under no_grad: decide here.
+    wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(device_type, enabled=False), _on_device(hidden):
+        if not wants_grad:
+            return _losses_only(
+                hidden.contiguous(), weight, targets.contiguous(), ignore_index, count, chunk_rows
+            )
         return _LinearCrossEntropy.apply(
-            hidden.contiguous(), weight, targets.contiguous(), ignore_index, num_items, chunk_rows
+            hidden.contiguous(), weight, targets.contiguous(), ignore_index, count, chunk_rows
         )
 
 

@@ -71,6 +71,27 @@ class TNLGResidualLinear(nn.Linear):
     """
 
 
+def is_plain_linear(module: nn.Module) -> bool:
+    """Whether a fused path may read `module.weight` / `.bias` into its own kernel instead of calling
+    `module`: only when calling it would compute exactly `nn.Linear`'s product.
+
+    Anything else would be skipped silently: a peft LoRA layer (`lora.Linear`, or a
+    `ModulesToSaveWrapper`, wraps the original Linear and keeps its `weight` reachable), accelerate's
+    hooks (which replace `forward` on the instance) or forward / backward hooks (module or global).
+    """
+    hook_tables = (
+        module._forward_hooks,
+        module._forward_pre_hooks,
+        module._backward_hooks,
+        module._backward_pre_hooks,
+        nn.modules.module._global_forward_hooks,
+        nn.modules.module._global_forward_pre_hooks,
+        nn.modules.module._global_backward_hooks,
+        nn.modules.module._global_backward_pre_hooks,
+    )
+    return type(module) is nn.Linear and "forward" not in vars(module) and not any(hook_tables)
+
+
 class TNLGAttention(nn.Module):
     """Causal self-attention with one fused QKV projection whose output rows are `[q | k | v]`.
 
@@ -147,7 +168,8 @@ class TNLGMLP(nn.Module):
         self.fused = config.fused_kernels if config.hidden_act == "gelu_new" else "none"
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if fused_ops.use_triton(self.fused, hidden_states):
+        # fc_in is read past its forward only while it is a plain Linear (not a LoRA layer, say).
+        if fused_ops.use_triton(self.fused, hidden_states) and is_plain_linear(self.fc_in):
             activated = fused_ops.bias_gelu(
                 nn.functional.linear(hidden_states, self.fc_in.weight), self.fc_in.bias, self.fused
             )
@@ -449,8 +471,13 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
                 "labels need the logits of every position: do not combine them with logits_to_keep"
             )
         hidden_states = outputs.last_hidden_state
-        if labels is not None and fused_ops.use_triton(self.config.fused_kernels, hidden_states):
-            # The LM head and its loss chunk by chunk: the (B, T, V) logits are never made.
+        if (
+            labels is not None
+            and fused_ops.use_triton(self.config.fused_kernels, hidden_states)
+            and is_plain_linear(self.lm_head)
+        ):
+            # The LM head and its loss chunk by chunk: the (B, T, V) logits are never made. A wrapped
+            # head (LoRA, modules_to_save) is called below instead: the kernel reads only the weight.
             targets = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # position t predicts t + 1
             loss = fused_ops.linear_cross_entropy(
                 hidden_states.reshape(-1, hidden_states.shape[-1]), self.lm_head.weight, targets.reshape(-1),

@@ -67,7 +67,7 @@ def test_bias_gelu_matches_gelu_new(dtype):
         assert relative_error(got, want) <= TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("num_items", [None, 50])
+@pytest.mark.parametrize("num_items", [None, 50, torch.tensor(50)])  # a tensor: Trainer's num_items_in_batch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_cross_entropy_matches_the_full_one(dtype, num_items):
     """5000 classes: two vocabulary blocks for the online softmax; 37 rows in chunks of 16; ignored rows."""
