@@ -53,11 +53,16 @@ class ZeroConfig:
         again in backward (ZeRO-3); False keeps them until their backward (more memory, less
         communication).
     offload_optimizer: `cpu` keeps fp32 master weights and optimizer state in CPU memory (stages 1-3).
+        The host step (`CPUAdam`) runs on the cores of this rank's share of the machine (the CPUs
+        it may run on, divided by LOCAL_WORLD_SIZE); the environment variable
+        TNLG_CPU_ADAM_THREADS sets the count instead.
     offload_param: `cpu` keeps the partitioned 16-bit parameters in CPU memory (stage 3).
     fused_adam: how a torch Adam / AdamW steps the device shards (offloaded ones always use
         `CPUAdam`): `auto` runs the fused kernel on CUDA (the CUDA extension, else Triton) and torch's
         own step elsewhere; `cuda`, `triton` or `reference` force that kernel (Triton on CPU tensors
-        needs TRITON_INTERPRET=1); `none` always runs the user's optimizer.
+        needs TRITON_INTERPRET=1); `none` always runs the user's optimizer. The kernel is chosen,
+        and the CUDA extension built, when the engine is initialized: a kernel that cannot run on
+        the engine's device is an error there, not in the first step.
     """
 
     stage: int = 0

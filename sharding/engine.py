@@ -34,6 +34,7 @@ from .deepspeed import (
 from .flat_group import FlatGroup
 from .grads import GradientReducer
 from .init import materialize
+from .kernels.fused_adam import ready_backend
 from .loss_scaler import LossScaler
 from .offload import Placement
 from .optimizer import ShardedOptimizer
@@ -512,10 +513,12 @@ def _pretrained_source(
 
 def _fused_adam_backend(choice: str, device: torch.device) -> str:
     """`ZeroConfig.fused_adam` for this device: "auto" means the fused kernels on CUDA only (on CPU,
-    torch's own fused Adam is faster than the reference and Triton has no CPU backend)."""
-    if choice == "auto":
-        return "auto" if device.type == "cuda" else "none"
-    return choice
+    torch's own fused Adam is faster than the reference and Triton has no CPU backend). The kernel is
+    resolved and checked now (`ready_backend`: the CUDA extension built, a kernel that cannot run on
+    `device` named), so that nothing of the kind surfaces inside the first step."""
+    if choice == "none" or (choice == "auto" and device.type != "cuda"):
+        return "none"
+    return ready_backend(choice, device)
 
 
 def _release_parts(

@@ -104,6 +104,9 @@ class FlatGroup:
         self.shard: torch.Tensor | None = None
         self.full_grad: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None
+        # Stage 0-1 with the optimizer on the host: the pinned buffer step_gradient copies the gradient
+        # into, kept across steps (pinning at exact size is a costly host call, not for every step).
+        self.host_step_grad: torch.Tensor | None = None
         self.unit_full: list[torch.Tensor] = []
         self.param_views: list[torch.Tensor | None] = []  # until finish(): each parameter's view
         self.placeholders: list[GradientPlaceholder] = []  # each parameter's .grad between backwards
@@ -267,7 +270,9 @@ class FlatGroup:
             return grad
         dtype = dtype or (grad.dtype if grad is not None else self.compute_dtype)
         if self.placement.optimizer_on_host:
-            target = self.placement.host_empty(self.layout.shard_numel, dtype)
+            if self.host_step_grad is None or self.host_step_grad.dtype != dtype:
+                self.host_step_grad = self.placement.host_empty(self.layout.shard_numel, dtype)
+            target = self.host_step_grad
         else:
             target = torch.empty(self.layout.shard_numel, dtype=dtype, device=self.master.device)
         for unit, piece in zip(self.layout.units, self.grad_pieces(), strict=True):
@@ -351,7 +356,7 @@ class FlatGroup:
         for param in self.params:
             param.grad = None
         self.placeholders = []
-        self.full = self.shard = self.full_grad = self.shard_grad = self.master = None
+        self.full = self.shard = self.full_grad = self.shard_grad = self.master = self.host_step_grad = None
         self.unit_full = []
 
     # ------------------------------------------------------------------ accounting
@@ -362,7 +367,7 @@ class FlatGroup:
         params = (
             size(self.full) if self.stage < 3 else size(self.shard) + sum(size(b) for b in self.unit_full)
         )
-        grads = size(self.full_grad) + size(self.shard_grad)
+        grads = size(self.full_grad) + size(self.shard_grad) + size(self.host_step_grad)
         return {"params": params, "grads": grads, "master": size(self.master)}  # all 0 once closed
 
     def host_tensors(self) -> list[torch.Tensor]:
@@ -372,6 +377,8 @@ class FlatGroup:
             tensors.append(self.master)
             if self.shard_grad is not None:
                 tensors.append(self.shard_grad)
+            if self.host_step_grad is not None:
+                tensors.append(self.host_step_grad)
         if self.placement.params_on_host and self.shard is not None:
             tensors.append(self.shard)
         if self.gradients_to_host is not None:

@@ -24,14 +24,21 @@ copies this rank's piece of the unit to the device (asynchronously from pinned m
 overlaps like the all-gather it precedes) and the staging copy is freed when the gather completes.
 
 Only the buffers that cross to or from the device are pinned (the 16-bit copy the step writes, stage
-3's host shard, staging buffers): torch's pinned allocator rounds each block up to a power of two, so
-pinning the master and the moments, which only the CPU touches, could nearly double their host memory.
+3's host shard, staging buffers); the master and the moments, which only the CPU touches, are not.
+The buffers that live with a group are pinned at their exact size (`pinned_host`): torch's pinned
+allocator (`pin_memory=True`) rounds each block up to a power of two, so that a 8.6 GB shard would
+lock 16 GB. Only the short-lived staging buffers of `GradientsToHost`, one unit's piece each and
+allocated again at every micro-step, come from torch's allocator, whose cache hands the same
+blocks back without locking pages again.
 Every copy goes through a separate destination buffer even when the "device" is the CPU, so the
 code paths (and their bookkeeping) are the same ones the tests run on CPU-only machines.
 """
 
 from __future__ import annotations
 
+import logging
+import mmap
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +46,11 @@ import torch
 from .kernels import CPUAdam
 from .kernels.fused_adam import steps_like_adam
 
+logger = logging.getLogger(__name__)
+
 HOST = torch.device("cpu")
+# cudaHostRegisterPortable: pinned for every CUDA context, as torch's own pinned host memory is.
+HOST_REGISTER_PORTABLE = 1
 
 
 @dataclass(frozen=True)
@@ -56,11 +67,61 @@ class Placement:
         return self.device.type == "cuda"
 
     def host_zeros(self, numel: int, dtype: torch.dtype, transfer: bool = True) -> torch.Tensor:
-        """A host buffer; pinned when it is copied to or from a CUDA device (`transfer`)."""
-        return torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=self.pin and transfer)
+        """A host buffer; pinned at its exact size when it is copied to or from a CUDA device
+        (`transfer`; see `pinned_host`, whose memory starts zeroed)."""
+        if self.pin and transfer:
+            return pinned_host(numel, dtype, self.device)
+        return torch.zeros(numel, dtype=dtype, device=HOST)
 
     def host_empty(self, numel: int, dtype: torch.dtype, transfer: bool = True) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=self.pin and transfer)
+        if self.pin and transfer:
+            return pinned_host(numel, dtype, self.device)
+        return torch.empty(numel, dtype=dtype, device=HOST)
+
+    def staging_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A short-lived host buffer for one copy off the device: from torch's pinned allocator when
+        there is a CUDA device (rounded up, but cached and reused; see [Note: offload])."""
+        return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=self.pin)
+
+
+def pinned_host(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`numel` zeroed elements of host memory, page-locked at exactly their size for copies to and
+    from `device` (a CUDA device).
+
+    The memory is an anonymous mapping (page-aligned, so that no other allocation shares its pages,
+    which cudaHostRegister would refuse to lock twice) registered with CUDA, as torch's distributed
+    checkpoint stager pins its buffers. It is unregistered when the last tensor viewing it is freed,
+    after the device has finished every copy that may still read or write it, and only then unmapped.
+    """
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype, device=HOST)
+    mapping = mmap.mmap(-1, nbytes)
+    view = memoryview(mapping)  # the tensor's storage holds this view; the finalizer holds `mapping`
+    tensor = torch.frombuffer(view, dtype=dtype, count=numel)
+    _page_lock(tensor.data_ptr(), nbytes)
+    release = weakref.finalize(view, _release_pinned, tensor.data_ptr(), device, mapping)
+    release.atexit = False  # at exit the CUDA context may be gone; the process frees everything anyway
+    return tensor
+
+
+def _page_lock(address: int, nbytes: int) -> None:
+    error = torch.cuda.cudart().cudaHostRegister(address, nbytes, HOST_REGISTER_PORTABLE)
+    if int(error) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed: {error}")
+
+
+def _page_unlock(address: int) -> None:
+    error = torch.cuda.cudart().cudaHostUnregister(address)
+    if int(error) != 0:
+        logger.warning("cudaHostUnregister of a pinned host buffer failed: %s", error)
+
+
+def _release_pinned(address: int, device: torch.device, mapping: mmap.mmap) -> None:
+    """A `pinned_host` buffer's end: unlocked once no copy can touch it. `mapping` is unmapped after
+    this returns (the finalizer holds its last reference until then)."""
+    torch.cuda.synchronize(device)
+    _page_unlock(address)
 
 
 class StagedGather:
@@ -101,7 +162,7 @@ class GradientsToHost:
 
     def add(self, target: torch.Tensor, reduced: torch.Tensor, alpha: float) -> None:
         """`target` (a host view) += `alpha` * `reduced` (on the device), once settled."""
-        staging = self.placement.host_empty(reduced.numel(), reduced.dtype)
+        staging = self.placement.staging_empty(reduced.numel(), reduced.dtype)
         event = None
         if reduced.device.type == "cuda":
             staging.copy_(reduced, non_blocking=True)  # on the current stream of reduced's device

@@ -11,6 +11,11 @@ if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors in Triton's interpreter. It must be chosen before triton is
     # imported (importing transformers may import it): triton.language's own helpers are jit
     # functions decorated at import.
+    # On a GPU machine it is left unset, so that the Triton kernels tested on CUDA tensors are the
+    # compiled ones. A test that runs a Triton kernel on CPU tensors there sets the variable itself
+    # (the `triton_interpreter` fixture of tests/sharding/test_fused_adam.py, or in the environment
+    # of the processes it spawns): the fused Adam kernel is decorated on first use, once per value
+    # of the variable, and uses none of those helpers, so setting it late is enough for it.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import tnlg  # noqa: F401  (registers the Auto classes)

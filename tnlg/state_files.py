@@ -58,18 +58,35 @@ def read_rank_state(directory: Path, rank: int) -> dict[str, Any]:
 
 
 def rng_state() -> dict[str, Any]:
+    """This process's generators: Python's, torch's CPU one and, with CUDA, its current device's only
+    (`"cuda"`, one state: a rank uses one device, and every rank writing every visible device's
+    state would make its file grow with the GPUs per node and restore other ranks' devices)."""
     state = {"python": _jsonable(random.getstate()), "torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
     return state
 
 
 def restore_rng(state: dict[str, Any]) -> None:
+    """What `rng_state` returned, restored; the CUDA state goes to the current device. A file from
+    before (`"cuda"` a list of every visible device's state) gives the current device's entry, if
+    it has one."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+        cuda = _current_device_state(state["cuda"])
+        if cuda is not None:
+            torch.cuda.set_rng_state(torch.tensor(cuda, dtype=torch.uint8))
+
+
+def _current_device_state(saved: list) -> list[int] | None:
+    """The current device's CUDA generator state out of what `rng_state` wrote (one state, a list of
+    byte values) or what it wrote before (one such list per visible device)."""
+    if not saved or not isinstance(saved[0], list):
+        return saved or None
+    device = torch.cuda.current_device()
+    return saved[device] if device < len(saved) else None
 
 
 def reseed_rng(step: int, rank: int) -> None:

@@ -4,6 +4,8 @@
 caches by a hash of the sources and flags under TORCH_EXTENSIONS_DIR) and imports the result. A
 machine without a compiler, or a build that fails, gives `None` with one warning naming the
 reason; callers then fall back to torch's own kernels. `TNLG_KERNELS=torch` skips the build.
+A missing tool (compiler, ninja, nvcc) is a `ToolchainMissing`, told apart from a failed compile so
+that tests skip on a machine without the tools but fail on a build that breaks.
 """
 
 from __future__ import annotations
@@ -26,7 +28,31 @@ CPU_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-f
 
 
 class KernelUnavailable(RuntimeError):
-    pass
+    """A kernel cannot be built or loaded here; the message says why."""
+
+
+class ToolchainMissing(KernelUnavailable):
+    """A tool the build needs is not installed (nothing was compiled)."""
+
+
+def require_ninja() -> None:
+    """`cpp_extension.load` builds with ninja only: name its absence before a build is tried."""
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        raise ToolchainMissing("ninja is not installed (pip install ninja)")
+
+
+def missing_cpu_tool() -> str | None:
+    """Why no C++ kernel can be built here for want of a tool (compiler, ninja), or None."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) on PATH"
+    try:
+        require_ninja()
+    except ToolchainMissing as missing:
+        return str(missing)
+    return None
 
 
 @functools.cache
@@ -44,9 +70,9 @@ def cpu_extension(name: str) -> ModuleType | None:
 def _build_cpu(name: str) -> ModuleType:
     if os.environ.get("TNLG_KERNELS", "").lower() == "torch":
         raise KernelUnavailable("TNLG_KERNELS=torch")
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise KernelUnavailable(f"no C++ compiler ({compiler}) on PATH")
+    missing = missing_cpu_tool()
+    if missing is not None:
+        raise ToolchainMissing(missing)
     from torch.utils import cpp_extension
 
     try:

@@ -5,13 +5,22 @@
 
 The arithmetic and the state (`step`, `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`) are
 `torch.optim.AdamW`'s (or `Adam`'s with `adamw_mode=False`), so state dicts move between them.
-The work is the C++ kernel in csrc/cpu_adam.cpp on `torch.get_num_threads()` threads; where it
-cannot be built, torch's fused CPU Adam runs instead, followed by a copy into `out16` (one warning
-says so).
+The work is the C++ kernel in csrc/cpu_adam.cpp on `adam_threads()` threads; where it cannot be
+built, torch's fused CPU Adam runs instead, followed by a copy into `out16` (one warning says so).
+
+[Note: CPUAdam threads]
+Not `torch.get_num_threads()`: torchrun and accelerate set OMP_NUM_THREADS=1 in every process they
+launch, so on an 8-GPU node torch's pool is one thread per rank while the host step of a large
+offloaded shard is memory-bound work for many cores. Each rank takes its share of the cores it may
+run on instead: len(os.sched_getaffinity(0)) // LOCAL_WORLD_SIZE (the ranks of one node), at least
+one. TNLG_CPU_ADAM_THREADS, a positive integer, sets the count instead (e.g. where the launcher
+already binds each rank to cores of its own, numactl or srun --cpu-bind, and the share would
+divide them again).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +32,27 @@ from .build import cpu_extension
 
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+THREADS_VARIABLE = "TNLG_CPU_ADAM_THREADS"
+
+
+def adam_threads() -> int:
+    """The kernel's threads for this process (see [Note: CPUAdam threads])."""
+    given = os.environ.get(THREADS_VARIABLE, "").strip()
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError(f"{THREADS_VARIABLE} must be a positive integer, got {given!r}")
+        return int(given)
+    local_ranks = os.environ.get("LOCAL_WORLD_SIZE", "1").strip() or "1"
+    if not local_ranks.isdigit() or int(local_ranks) < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE must be a positive integer, got {local_ranks!r}")
+    return max(1, _usable_cores() // int(local_ranks))
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container's or a launcher's limit)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1  # macOS and Windows have no affinity call
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -66,6 +96,7 @@ class CPUAdam(torch.optim.Optimizer):
                     raise ValueError(
                         f"CPUAdam updates fp32 CPU tensors; got a {param.dtype} tensor on {param.device}"
                     )
+        adam_threads()  # a bad thread setting is named here rather than at the first step
 
     @property
     def uses_extension(self) -> bool:
@@ -95,7 +126,7 @@ class CPUAdam(torch.optim.Optimizer):
         targets = self._by_param(out16, "out16")
         given = self._by_param(grads, "grads")
         kernel = cpu_extension("cpu_adam")
-        threads = torch.get_num_threads()
+        threads = adam_threads()
         for group in self.param_groups:
             if group["maximize"]:
                 raise ValueError("CPUAdam does not implement maximize=True")

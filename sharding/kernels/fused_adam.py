@@ -8,9 +8,11 @@ copy when `out16` is given, which is what the 16-bit parameters are all-gathered
     fused_adam(param, grad, exp_avg, exp_avg_sq, step=3, lr=1e-4, out16=bf16_copy)
 
 `fused_adam` picks the CUDA extension on CUDA tensors (built on first use; see cuda_adam.py), the
-Triton kernel where the extension cannot be built, and the reference elsewhere; `backend=` forces
-one. The arithmetic is torch's single-tensor Adam (`torch.optim.adam._single_tensor_adam`), in its
-order of operations; the kernels' results differ from torch's by float rounding (fused
+Triton kernel where the extension cannot be built, and the reference elsewhere (never Triton on CPU
+tensors); `backend=` forces one. `ready_backend` makes the same choice ahead of time for a device,
+building the extension and naming a backend that cannot run there (the engine calls it when it is
+initialized). The arithmetic is torch's single-tensor Adam (`torch.optim.adam._single_tensor_adam`),
+in its order of operations; the kernels' results differ from torch's by float rounding (fused
 multiply-adds, approximate division and square root on GPUs), which the tests bound at 1e-6:
 
     param *= 1 - lr * weight_decay                    (AdamW; Adam adds weight_decay * param to grad)
@@ -19,7 +21,10 @@ multiply-adds, approximate division and square root on GPUs), which the tests bo
     denom = sqrt(exp_avg_sq) / sqrt(1 - beta2**step) + eps        (amsgrad: the running max)
     param -= lr / (1 - beta1**step) * exp_avg / denom
 
-Triton kernels run on CPU tensors under `TRITON_INTERPRET=1` (how the tests check them without a GPU).
+Triton kernels run on CPU tensors under `TRITON_INTERPRET=1` (how the tests check them without a GPU),
+and only then: Triton has no CPU backend. `triton.jit` reads the variable when it decorates, so the
+kernel is decorated on first use, once for each value of the variable (a process that sets it after
+a first launch gets an interpreted kernel from then on, as Triton's own kernels would be).
 """
 
 from __future__ import annotations
@@ -108,12 +113,9 @@ def on_device(tensor: torch.Tensor):
 
 def _run(backend, param, grad, exp_avg, exp_avg_sq, hyper, max_exp_avg_sq, out16) -> None:
     if backend == "cuda":
-        from .cuda_adam import cuda_extension
+        from .cuda_adam import require_cuda_extension
 
-        extension = cuda_extension()
-        if extension is None:
-            raise RuntimeError("the CUDA fused Adam extension is not available here (see the warning logged)")
-        extension.fused_adam(
+        require_cuda_extension().fused_adam(
             [param], [grad], [exp_avg], [exp_avg_sq], [max_exp_avg_sq] if max_exp_avg_sq is not None else [],
             [out16] if out16 is not None else [], hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
             hyper.weight_decay, hyper.step_size, hyper.bias_correction2_sqrt, hyper.adamw, hyper.grad_scale,
@@ -171,6 +173,40 @@ def fused_adam_group(
         grad_scale,
     )
     return _launch(backend, param, grad, state["exp_avg"], state["exp_avg_sq"], hyper, max_sq, out16)
+
+
+def ready_backend(backend: str, device: torch.device) -> str:
+    """The backend `backend` runs as on `device`'s tensors ("auto" resolved as `fused_adam` resolves
+    it), checked now: the CUDA extension is built (or loaded from the build cache) here where it may
+    run, and a backend that cannot run on `device` is an error naming why, before any step."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return _auto_backend(device)
+    if backend == "cuda":
+        if device.type != "cuda":
+            raise ValueError(f"the CUDA fused Adam kernel needs CUDA tensors; these are on {device}")
+        from .cuda_adam import require_cuda_extension
+
+        require_cuda_extension()
+    elif backend == "triton":
+        _check_triton(device)
+    return backend
+
+
+def _check_triton(device: torch.device) -> None:
+    if not triton_available():
+        raise RuntimeError("Triton is not installed (pip install triton)")
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"the Triton fused Adam kernel needs CUDA tensors, or TRITON_INTERPRET=1 to run in Triton's "
+            f"interpreter (a test setting); these are on {device}"
+        )
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in Triton's interpreter (on CPU tensors too): TRITON_INTERPRET=1."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _auto_backend(device: torch.device) -> str:
@@ -243,8 +279,9 @@ def triton_available() -> bool:
 
 
 @functools.cache
-def _triton_kernel():
-    """Defined on first use: `triton.jit` reads TRITON_INTERPRET when it decorates."""
+def _triton_kernel(interpret: bool):
+    """Defined on first use, once per `interpreting()` value (the key of the cache): `triton.jit`
+    reads TRITON_INTERPRET when it decorates."""
     import triton
     import triton.language as tl
 
@@ -302,14 +339,11 @@ def adam_triton(
     block: int = BLOCK,
 ) -> None:
     """One launch over the whole flat tensor (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
-    if not triton_available():
-        raise RuntimeError("Triton is not installed (pip install triton)")
-    if param.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {param.device}")
+    _check_triton(param.device)
     n = param.numel()
     if n == 0:
         return
-    kernel = _triton_kernel()
+    kernel = _triton_kernel(interpreting())
     grid = ((n + block - 1) // block,)
     kernel[grid](
         param, grad, exp_avg, exp_avg_sq,

@@ -63,3 +63,55 @@ def test_a_missing_or_damaged_rank_file_is_named(tmp_path, content, message):
     with pytest.raises(CheckpointError, match=message) as raised:
         read_rank_state(tmp_path, 0)
     assert "rank-00000.json" in str(raised.value)
+
+
+class FakeCuda:
+    """Two visible GPUs' generators, this process on the second: torch.cuda's RNG calls, on CPU."""
+
+    def __init__(self, monkeypatch):
+        self.states = {
+            0: torch.full((16,), 10, dtype=torch.uint8),
+            1: torch.full((16,), 11, dtype=torch.uint8),
+        }
+        self.device = 1
+        for name in ("is_available", "current_device", "get_rng_state", "set_rng_state", "get_rng_state_all"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+    def is_available(self):
+        return True
+
+    def current_device(self):
+        return self.device
+
+    def get_rng_state(self, device="cuda"):
+        return self.states[self.device].clone()
+
+    def set_rng_state(self, state, device="cuda"):
+        self.states[self.device] = state.clone()
+
+    def get_rng_state_all(self):
+        return [self.states[i].clone() for i in sorted(self.states)]
+
+
+def test_only_the_current_devices_cuda_state_is_saved_and_restored(monkeypatch):
+    cuda = FakeCuda(monkeypatch)
+    state = rng_state()
+    assert state["cuda"] == [11] * 16  # one state: the current device's
+    cuda.states = {0: torch.zeros(16, dtype=torch.uint8), 1: torch.zeros(16, dtype=torch.uint8)}
+    restore_rng(json.loads(json.dumps(state)))
+    assert cuda.states[1].tolist() == [11] * 16
+    assert cuda.states[0].tolist() == [0] * 16  # another rank's device is left alone
+
+
+@pytest.mark.parametrize(("device", "expected"), [(1, [21] * 16), (2, [0] * 16)])
+def test_a_file_with_every_devices_cuda_state_restores_the_current_ones(monkeypatch, device, expected):
+    """Files written before held one state per visible device: the current device's entry is taken,
+    and none is set where the file has no entry for it (written on a machine with fewer GPUs)."""
+    cuda = FakeCuda(monkeypatch)
+    cuda.states = {i: torch.zeros(16, dtype=torch.uint8) for i in range(3)}
+    cuda.device = device
+    state = rng_state()
+    state["cuda"] = [[20] * 16, [21] * 16]
+    restore_rng(state)
+    assert cuda.states[device].tolist() == expected
+    assert cuda.states[0].tolist() == [0] * 16

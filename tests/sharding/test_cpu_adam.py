@@ -1,6 +1,6 @@
 """CPUAdam: the C++ kernel computes torch's Adam / AdamW (to 1e-6 relative after 10 steps), writes the
 16-bit copy in the same pass, keeps torch's state, and falls back to torch with one warning when the
-kernel cannot be built."""
+kernel cannot be built; its thread count is this rank's share of the cores."""
 
 from __future__ import annotations
 
@@ -10,24 +10,27 @@ import warnings
 import pytest
 import torch
 
-from tnlg.sharding.kernels import CPUAdam, build
+from tnlg.sharding.kernels import CPUAdam, build, cpu_adam
+from tnlg.sharding.kernels.cpu_adam import THREADS_VARIABLE, adam_threads
 
 SIZES = (1, 7, 1023, 65_537)  # odd lengths: the vectorised loop's remainder
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _kernel_built():
-    """The C++ kernel is what these tests check (the fall-back has its own test)."""
+@pytest.fixture
+def kernel_built():
+    """The C++ kernel is what most tests check (the fall-back has its own test): skipped where a tool
+    the build needs is missing, failed where the tools are there and the build breaks."""
+    missing = build.missing_cpu_tool()
+    if missing is not None:
+        pytest.skip(f"the CPUAdam C++ kernel cannot be built here: {missing}")
     if not CPUAdam([torch.zeros(1)]).uses_extension:
-        pytest.fail("the CPUAdam C++ kernel did not build on this machine (it has a compiler)")
+        pytest.fail("the CPUAdam C++ kernel did not build on this machine (it has a compiler and ninja)")
 
 
 @pytest.fixture
-def threads(request):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(previous)
+def threads(request, monkeypatch):
+    monkeypatch.setenv(THREADS_VARIABLE, str(request.param))
+    return request.param
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -58,6 +61,7 @@ def run_both(
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("adamw_mode", [True, False])
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16])
+@pytest.mark.usefixtures("kernel_built")
 def test_matches_torch_after_ten_steps(threads, numel, adamw_mode, out_dtype):
     ours, reference, out, optimizer, expected = run_both(numel, 10, adamw_mode, False, out_dtype=out_dtype)
     assert relative_error(ours, reference) <= 1e-6
@@ -69,6 +73,7 @@ def test_matches_torch_after_ten_steps(threads, numel, adamw_mode, out_dtype):
 
 
 @pytest.mark.parametrize("numel", [7, 65_537])
+@pytest.mark.usefixtures("kernel_built")
 def test_amsgrad_matches_torch(numel):
     ours, reference, _, optimizer, expected = run_both(numel, 10, True, True)
     assert relative_error(ours, reference) <= 1e-6
@@ -79,11 +84,13 @@ def test_amsgrad_matches_torch(numel):
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.usefixtures("kernel_built")
 def test_16_bit_gradients_are_read_directly(grad_dtype):
     ours, reference, *_ = run_both(1023, 10, True, False, grad_dtype=grad_dtype)
     assert relative_error(ours, reference) <= 1e-6
 
 
+@pytest.mark.usefixtures("kernel_built")
 def test_grad_scale_multiplies_the_gradients_as_they_are_read():
     generator = torch.Generator().manual_seed(4)
     ours = torch.randn(999, generator=generator)
@@ -97,6 +104,7 @@ def test_grad_scale_multiplies_the_gradients_as_they_are_read():
     assert relative_error(ours, reference) <= 1e-6
 
 
+@pytest.mark.usefixtures("kernel_built")
 def test_param_groups_and_a_changing_learning_rate_follow_torch():
     generator = torch.Generator().manual_seed(1)
     ours = [torch.randn(33, generator=generator), torch.randn(4, 5, generator=generator)]
@@ -119,6 +127,7 @@ def test_param_groups_and_a_changing_learning_rate_follow_torch():
         assert relative_error(a, b) <= 1e-6
 
 
+@pytest.mark.usefixtures("kernel_built")
 def test_state_dicts_move_between_cpu_adam_and_torch_adamw():
     ours, _, _, optimizer, _ = run_both(100, 3, True, False)
     continued = ours.clone()
@@ -132,6 +141,7 @@ def test_state_dicts_move_between_cpu_adam_and_torch_adamw():
     assert relative_error(ours, continued) <= 1e-6
 
 
+@pytest.mark.usefixtures("kernel_built")
 def test_parameters_without_gradients_and_their_copies_are_left_alone():
     with_grad, without = torch.randn(8), torch.randn(8)
     copies = [torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16)]
@@ -142,6 +152,7 @@ def test_parameters_without_gradients_and_their_copies_are_left_alone():
     assert torch.equal(without, before) and not copies[1].any()
 
 
+@pytest.mark.usefixtures("kernel_built")
 def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="fp32 CPU tensors"):
         CPUAdam([torch.zeros(3, dtype=torch.bfloat16)])
@@ -176,3 +187,53 @@ def test_without_the_kernel_it_warns_once_and_computes_the_same_with_torch(monke
         assert torch.equal(out, ours.to(torch.bfloat16))
     finally:
         build.cpu_extension.cache_clear()  # the next use loads the cached build again
+
+
+@pytest.fixture
+def sixteen_cores(monkeypatch):
+    """A process allowed on 16 cores, started without a thread count or a launcher's local world size."""
+    monkeypatch.setattr(cpu_adam.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv(THREADS_VARIABLE, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+
+
+@pytest.mark.parametrize(
+    ("local_world_size", "expected"), [(None, 16), ("1", 16), ("3", 5), ("8", 2), ("32", 1)]
+)
+def test_threads_are_this_ranks_share_of_its_cores(sixteen_cores, monkeypatch, local_world_size, expected):
+    if local_world_size is not None:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # what a launcher's OMP_NUM_THREADS=1 gives
+    assert adam_threads() == expected
+
+
+def test_the_thread_variable_wins_and_bad_values_are_named(sixteen_cores, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv(THREADS_VARIABLE, "6")
+    assert adam_threads() == 6
+    for bad in ("0", "-2", "four"):
+        monkeypatch.setenv(THREADS_VARIABLE, bad)
+        with pytest.raises(
+            ValueError, match=f"TNLG_CPU_ADAM_THREADS must be a positive integer, got '{bad}'"
+        ):
+            adam_threads()
+        with pytest.raises(ValueError, match="TNLG_CPU_ADAM_THREADS must be a positive integer"):
+            CPUAdam([torch.zeros(1)])  # named when the optimizer is built, before any step
+    monkeypatch.delenv(THREADS_VARIABLE)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "none")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE must be a positive integer"):
+        adam_threads()
+
+
+def test_the_kernel_runs_on_the_sized_thread_count(sixteen_cores, monkeypatch):
+    calls = []
+
+    class Kernel:
+        def adam_step(self, *args):
+            calls.append(args[-1])
+
+    monkeypatch.setattr(cpu_adam, "cpu_extension", lambda name: Kernel())
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    param = torch.zeros(3)
+    CPUAdam([param]).step(grads=[torch.ones(3)])
+    assert calls == [4]

@@ -1,6 +1,12 @@
 """GPU fused Adam: the plain-PyTorch reference computes torch's Adam / AdamW; the Triton kernel (run on CPU
 under TRITON_INTERPRET=1, on CUDA when there is one) and the CUDA extension compute the reference's
-values on fresh random inputs; the CUDA source compiles with nvcc where nvcc exists."""
+values on fresh random inputs; the CUDA source compiles with nvcc where nvcc exists. The engine picks
+and checks its kernel when it is initialized: never Triton on CPU tensors by itself, and a forced one
+that cannot run there is named then.
+
+Triton runs on CPU tensors in its interpreter: the tests that do that set TRITON_INTERPRET=1
+themselves (`triton_interpreter`), so that they run on GPU machines too, where conftest.py leaves it
+unset and the CUDA cases test the compiled kernel."""
 
 from __future__ import annotations
 
@@ -12,18 +18,38 @@ import torch
 
 from tests.sharding.test_zero_equivalence import assert_states_close
 from tests.support.offload_cases import fused_adam_matrix
-from tnlg.sharding.kernels.cuda_adam import KERNEL_SOURCE
+from tests.support.zero_models import make_model, make_optimizer
+from tnlg.sharding import ZeroConfig, initialize
+from tnlg.sharding.kernels.build import ToolchainMissing
+from tnlg.sharding.kernels.cuda_adam import KERNEL_SOURCE, require_cuda_extension
 from tnlg.sharding.kernels.fused_adam import (
     AdamHyper,
     adam_reference,
     adam_triton,
     fused_adam,
+    ready_backend,
     triton_available,
 )
 from tnlg.tools.spawn import run_distributed
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """Triton kernels on CPU tensors, in Triton's interpreter (see the module's docstring)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def cuda_extension_built():
+    """The CUDA extension, built; skipped (with the reason) where a tool the build needs is missing,
+    failed where the tools are there and the build breaks."""
+    try:
+        return require_cuda_extension()
+    except ToolchainMissing as missing:
+        pytest.skip(str(missing))
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -90,9 +116,64 @@ TRITON_CASES = [
 
 
 @needs_triton
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("numel, grad_dtype, out_dtype, adamw, amsgrad", TRITON_CASES)
-def test_triton_kernel_matches_the_reference(numel, grad_dtype, out_dtype, adamw, amsgrad):
-    _compare_with_reference(adam_triton, numel, grad_dtype, out_dtype, adamw, amsgrad, DEVICE)
+def test_triton_kernel_matches_the_reference(
+    numel, grad_dtype, out_dtype, adamw, amsgrad, device, monkeypatch
+):
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _compare_with_reference(adam_triton, numel, grad_dtype, out_dtype, adamw, amsgrad, device)
+
+
+@needs_triton
+def test_triton_on_cpu_tensors_without_the_interpreter_is_named(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    param, grad, exp_avg, exp_avg_sq, _ = fresh_inputs(10, torch.float32, seed=2)
+    before = param.clone()
+    with pytest.raises(ValueError, match="needs CUDA tensors, or TRITON_INTERPRET=1"):
+        adam_triton(param, grad, exp_avg, exp_avg_sq, AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1))
+    assert torch.equal(param, before)
+
+
+def test_ready_backend_never_picks_triton_for_cpu_tensors(triton_interpreter):
+    cpu = torch.device("cpu")
+    assert ready_backend("auto", cpu) == "reference"  # even with the interpreter on
+    assert ready_backend("reference", cpu) == "reference"
+    with pytest.raises(ValueError, match="CUDA fused Adam kernel needs CUDA tensors; these are on cpu"):
+        ready_backend("cuda", cpu)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ready_backend("apex", cpu)
+
+
+def test_the_engine_picks_no_fused_kernel_on_cpu_by_itself(triton_interpreter):
+    model = make_model()
+    engine = initialize(model, make_optimizer(model), ZeroConfig(stage=1))
+    assert engine.optimizer.fused_backend is None  # torch's own step: faster on CPU than any kernel here
+
+
+@needs_triton
+@pytest.mark.parametrize("interpret", [True, False])
+def test_the_engine_checks_a_forced_triton_kernel_when_initialized(monkeypatch, interpret):
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = make_model()
+    config = ZeroConfig(stage=1, fused_adam="triton")
+    if interpret:
+        assert initialize(model, make_optimizer(model), config).optimizer.fused_backend == "triton"
+        return
+    with pytest.raises(
+        ValueError, match="Triton fused Adam kernel needs CUDA tensors, or TRITON_INTERPRET=1"
+    ):
+        initialize(model, make_optimizer(model), config)
+
+
+def test_the_engine_refuses_the_cuda_kernel_on_cpu_when_initialized():
+    model = make_model()
+    with pytest.raises(ValueError, match="CUDA fused Adam kernel needs CUDA tensors"):
+        initialize(model, make_optimizer(model), ZeroConfig(stage=1, fused_adam="cuda"))
 
 
 def test_fused_adam_validates_its_inputs_and_picks_the_reference_on_cpu():
@@ -122,8 +203,19 @@ def test_cuda_kernel_source_compiles_with_nvcc(tmp_path):
 
 
 @pytest.mark.gpu
+def test_the_engine_builds_the_cuda_extension_when_initialized(cuda_extension_built):
+    """The build (or the load of a cached one) happens in `initialize`, and "auto" then picks it."""
+    model = make_model().cuda()
+    engine = initialize(model, make_optimizer(model), ZeroConfig(stage=1))
+    assert engine.optimizer.fused_backend == "cuda"
+    assert ready_backend("auto", torch.device("cuda")) == "cuda"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("numel, grad_dtype, out_dtype, adamw, amsgrad", TRITON_CASES)
-def test_cuda_extension_matches_the_reference(numel, grad_dtype, out_dtype, adamw, amsgrad):
+def test_cuda_extension_matches_the_reference(
+    numel, grad_dtype, out_dtype, adamw, amsgrad, cuda_extension_built
+):
     def run(param, grad, exp_avg, exp_avg_sq, hyper, max_sq, out):
         ran = fused_adam(
             param, grad, exp_avg, exp_avg_sq, step=hyper.step, lr=hyper.lr, betas=(hyper.beta1, hyper.beta2),
@@ -136,11 +228,8 @@ def test_cuda_extension_matches_the_reference(numel, grad_dtype, out_dtype, adam
 
 
 @pytest.mark.gpu
-def test_cuda_extension_updates_many_tensors_in_one_launch():
-    from tnlg.sharding.kernels.cuda_adam import cuda_extension
-
-    extension = cuda_extension()
-    assert extension is not None, "the CUDA extension did not build on this GPU machine"
+def test_cuda_extension_updates_many_tensors_in_one_launch(cuda_extension_built):
+    extension = cuda_extension_built
     sizes = (1, 65_536, 65_537, 200_000)  # chunks of 65536: whole, and split over blocks
     tensors = [fresh_inputs(n, torch.bfloat16, seed=n, device="cuda") for n in sizes]
     hyper = AdamHyper(1e-3, 0.9, 0.95, 1e-8, 0.1, 3, True)
@@ -160,7 +249,11 @@ def test_cuda_extension_updates_many_tensors_in_one_launch():
 
 @pytest.fixture(scope="module")
 def engine_runs():
-    return run_distributed(fused_adam_matrix, 2, timeout=900)[0]
+    # The ranks run on CPU with gloo, and two runs force the Triton kernel: in the interpreter, set in
+    # the environment the spawned ranks start with (so before they import triton), on any machine.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        return run_distributed(fused_adam_matrix, 2, timeout=900)[0]
 
 
 @pytest.mark.slow

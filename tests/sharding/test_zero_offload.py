@@ -7,6 +7,7 @@ tensor and every copy between them runs (see [Note: offload] in sharding/offload
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -16,9 +17,9 @@ from tests.sharding.test_zero_equivalence import assert_states_close, assert_tra
 from tests.support.offload_cases import checkpoint_across_offload, offload_matrix
 from tests.support.zero_cases import STEPS
 from tests.support.zero_models import make_model, make_optimizer, train_reference
-from tnlg.sharding import ZeroConfig, initialize
+from tnlg.sharding import ZeroConfig, initialize, offload
 from tnlg.sharding.kernels import CPUAdam
-from tnlg.sharding.offload import host_adam_for
+from tnlg.sharding.offload import Placement, host_adam_for
 from tnlg.tools.spawn import run_distributed
 
 STAGES = (1, 2, 3)
@@ -108,8 +109,11 @@ def test_memory_is_accounted_to_host_and_device(world):
         host_grads = run["grads"] if stage >= 2 else 0  # stage 1 keeps its full gradients on the device
         # the host also holds the 16-bit copy CPUAdam writes (counted with the parameters)
         copy = run["master"] // 2
-        assert run["host"] == run["master"] + run["optimizer_state"] + host_grads + copy
-        assert run["device"] == run["params"] - copy + run["grads"] - host_grads
+        # stage 1 on several ranks copies its 16-bit gradient shard out of the full gradient into a host
+        # buffer it keeps for CPUAdam to read (on one rank the full gradient is the shard, read in place)
+        step_gradient = run["master"] // 2 if stage == 1 and world[0] > 1 else 0
+        assert run["host"] == run["master"] + run["optimizer_state"] + host_grads + copy + step_gradient
+        assert run["device"] == run["params"] - copy + run["grads"] - host_grads - step_gradient
         assert run["device"] < device_run["device"]
     both = results[("both-bf16", 3)]["memory"]
     # stage 3 with everything offloaded: on the device, only the small persistent parameters
@@ -174,3 +178,74 @@ def test_adam_steps_through_cpu_adam_and_a_scheduler_sees_the_step():
 def test_which_optimizers_step_through_cpu_adam(optimizer, fused):
     params = [torch.zeros(3, requires_grad=True)]
     assert (host_adam_for(optimizer(params)) is not None) is fused
+
+
+@pytest.fixture
+def page_locks(monkeypatch):
+    """CUDA's page locking, recorded instead (on CPU): what `pinned_host` registers and releases."""
+    calls = []
+    monkeypatch.setattr(
+        offload, "_page_lock", lambda address, nbytes: calls.append(("lock", address, nbytes))
+    )
+    monkeypatch.setattr(offload, "_page_unlock", lambda address: calls.append(("unlock", address)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize", device)))
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("numel", "dtype"), [(1, torch.bfloat16), (1_000_003, torch.bfloat16), (4099, torch.float32)]
+)
+def test_buffers_for_a_cuda_device_are_pinned_at_their_exact_size(page_locks, numel, dtype):
+    """Not rounded up to a power of two as torch's pinned allocator would (2 MB for the 1_000_003 bf16
+    elements, not 2**21 bytes), and released only when the last view of the buffer is gone, after
+    the device has finished its copies."""
+    placement = Placement(torch.device("cuda", 0), optimizer_on_host=True)
+    buffer = placement.host_zeros(numel, dtype)
+    nbytes = numel * buffer.element_size()
+    assert page_locks == [("lock", buffer.data_ptr(), nbytes)]
+    assert buffer.shape == (numel,) and buffer.dtype == dtype and not buffer.any()
+    assert buffer.untyped_storage().nbytes() == nbytes
+    last = buffer[-1:]
+    address = buffer.data_ptr()
+    del buffer
+    gc.collect()
+    assert len(page_locks) == 1  # a view still reads it
+    del last
+    gc.collect()
+    assert page_locks[1:] == [("synchronize", torch.device("cuda", 0)), ("unlock", address)]
+
+
+def test_host_buffers_on_a_cpu_only_machine_and_unpinned_ones_are_plain_tensors(page_locks):
+    on_cpu = Placement(torch.device("cpu"), optimizer_on_host=True)
+    on_cuda = Placement(torch.device("cuda", 0), optimizer_on_host=True)
+    buffers = [
+        on_cpu.host_zeros(10, torch.float32),
+        on_cpu.host_empty(10, torch.bfloat16),
+        on_cuda.host_zeros(10, torch.float32, transfer=False),  # the master: only the CPU reads it
+        on_cuda.host_empty(0, torch.bfloat16),
+    ]
+    assert [b.numel() for b in buffers] == [10, 10, 10, 0]
+    assert not buffers[0].any()
+    assert page_locks == []
+
+
+@pytest.mark.gpu
+def test_pinned_host_buffers_lock_exactly_their_bytes():
+    numel = (1 << 20) + 3  # fp32: 4 MiB + 12 bytes, which torch's pinned allocator would make 8 MiB
+    stats = getattr(torch.cuda.memory, "host_memory_stats", dict)  # torch's pinned allocator, where it says
+    before = stats().get("allocated_bytes.all.current", 0)
+    buffer = Placement(torch.device("cuda", torch.cuda.current_device()), optimizer_on_host=True).host_empty(
+        numel, torch.float32
+    )
+    assert buffer.is_pinned() and buffer[-1:].is_pinned()
+    assert buffer.untyped_storage().nbytes() == numel * 4
+    # none of it came from torch's caching pinned allocator
+    assert stats().get("allocated_bytes.all.current", 0) == before
+    source = torch.arange(numel, dtype=torch.float32, device="cuda")
+    buffer.copy_(source, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(buffer, source.cpu())
+    back = torch.empty_like(source)
+    back.copy_(buffer, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, source)

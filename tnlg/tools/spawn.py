@@ -39,6 +39,7 @@ def _worker(fn, rank, world_size, port, collective_timeout, results, args):
         MASTER_PORT=str(port),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),  # as torchrun sets it: CPUAdam sizes its threads by it
         WORLD_SIZE=str(world_size),
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
