@@ -2,14 +2,18 @@
 
 python scripts/estimate_memory.py                               # tnlg-17b and mt-nlg-530b
 python scripts/estimate_memory.py --preset tnlg-17b --offload --device-memory 80GB
+python scripts/estimate_memory.py --config configs/pretrain/tnlg-17b.yaml --world-sizes 32
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import Any
 
 from tnlg.modeling import TNLGConfig
 from tnlg.run.cli import exit_on_input_error
+from tnlg.run.config import load_run_config
 from tnlg.sharding.config import MIXED_PRECISIONS
 from tnlg.tools.memory import (
     OPTIMIZER_STATE_BYTES,
@@ -36,77 +40,167 @@ def _memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from error
 
 
+# The options a run config decides when --config is given (their defaults apply without it).
+RUN_DECIDES = {
+    "preset": None,
+    "stages": [0, 1, 2, 3],
+    "offload": False,
+    "mixed_precision": "bf16",
+    "micro_batch_size": 1,
+    "seq_len": None,
+    "no_activation_checkpointing": False,
+    "offload_activations": False,
+}
+
+
+@dataclass
+class Study:
+    """One table: a model, the stages to tabulate, and the settings every row shares."""
+
+    name: str
+    model: TNLGConfig
+    stages: list[int]
+    options: dict[str, Any]  # estimate_memory's keyword arguments other than world_size and stage
+    offload_optimizer: bool
+    offload_param: bool
+
+    def offload(self, stage: int) -> dict[str, str]:
+        # Stage 0 partitions nothing, so there is nothing to offload; parameters only in stage 3.
+        return {
+            "offload_optimizer": "cpu" if self.offload_optimizer and stage >= 1 else "none",
+            "offload_param": "cpu" if self.offload_param and stage == 3 else "none",
+        }
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
+        "--config",
+        help="a run config (configs/pretrain/*.yaml): its model, ZeRO stage and offload, precision, micro "
+        "batch, sequence length and activation checkpointing, in place of the options marked (run)",
+    )
+    parser.add_argument(
         "--preset",
         action="append",
         choices=sorted(TNLGConfig.presets()),
-        help=f"a preset (repeatable; default: {' and '.join(DEFAULT_PRESETS)})",
+        help=f"(run) a preset (repeatable; default: {' and '.join(DEFAULT_PRESETS)})",
     )
     parser.add_argument("--world-sizes", type=_int_list, default=[8, 64, 512], help="default: 8,64,512")
-    parser.add_argument("--stages", type=_int_list, default=[0, 1, 2, 3], help="default: 0,1,2,3")
+    parser.add_argument("--stages", type=_int_list, help="(run) default: 0,1,2,3")
     parser.add_argument(
         "--offload",
         action="store_true",
-        help="offload the optimizer (stages 1-3) and the parameter shards (stage 3) to CPU",
+        default=None,
+        help="(run) offload the optimizer (stages 1-3) and the parameter shards (stage 3) to CPU",
     )
-    parser.add_argument("--mixed-precision", choices=MIXED_PRECISIONS, default="bf16")
+    parser.add_argument("--mixed-precision", choices=MIXED_PRECISIONS, help="(run) default: bf16")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adamw")
-    parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per rank per step")
-    parser.add_argument("--seq-len", type=int, help="default: the preset's max_position_embeddings")
-    parser.add_argument("--no-activation-checkpointing", action="store_true")
+    parser.add_argument("--micro-batch-size", type=int, help="(run) sequences per rank per step; default 1")
+    parser.add_argument("--seq-len", type=int, help="(run) default: the preset's max_position_embeddings")
+    parser.add_argument("--no-activation-checkpointing", action="store_true", default=None, help="(run)")
+    parser.add_argument(
+        "--offload-activations",
+        action="store_true",
+        default=None,
+        help="(run) keep the checkpointed blocks' inputs in host memory",
+    )
     parser.add_argument(
         "--device-memory",
         type=_memory_size,
         help="e.g. 80GB or 80GiB: also print the smallest power-of-two world size per stage that fits",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    given = [name for name in RUN_DECIDES if getattr(args, name) is not None]
+    if args.config and given:
+        parser.error(f"--config decides {', '.join('--' + n.replace('_', '-') for n in given)}: drop them")
+    for name, default in RUN_DECIDES.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    return args
+
+
+def studies_from_flags(args: argparse.Namespace) -> list[Study]:
+    options = {
+        "mixed_precision": args.mixed_precision,
+        "optimizer": args.optimizer,
+        "micro_batch_size": args.micro_batch_size,
+        "seq_len": args.seq_len,
+        "activation_checkpointing": not args.no_activation_checkpointing,
+        "offload_activations": args.offload_activations,
+    }
+    return [
+        Study(preset, TNLGConfig.from_preset(preset), args.stages, options, args.offload, args.offload)
+        for preset in args.preset or DEFAULT_PRESETS
+    ]
+
+
+def study_from_run_config(path: str, optimizer: str) -> Study:
+    """The run's model (its preset, or init_from's config.json, with its overrides) and its settings."""
+    run = load_run_config(path)
+    section = run.model
+    if section.init_from:
+        model = TNLGConfig.from_pretrained(section.init_from, **section.overrides)
+    else:
+        model = TNLGConfig.from_preset(section.preset, **section.overrides)
+    zero = run.zero.to_zero_config(run.train.mixed_precision)
+    options = {
+        "mixed_precision": run.train.mixed_precision,
+        "optimizer": optimizer,
+        "micro_batch_size": run.train.micro_batch_size,
+        "seq_len": run.data.seq_len,
+        "activation_checkpointing": section.activation_checkpointing.enabled,
+        "offload_activations": section.activation_checkpointing.cpu_offload,
+        "param_persistence_threshold": zero.param_persistence_threshold,
+    }
+    return Study(
+        f"{path} ({section.init_from or section.preset})",
+        model,
+        [zero.stage],
+        options,
+        offload_optimizer=zero.offload_optimizer != "none",
+        offload_param=zero.offload_param != "none",
+    )
+
+
+def print_study(study: Study, world_sizes: list[int], device_memory: int | None) -> None:
+    config, options = study.model, study.options
+    rows = [
+        estimate_memory(config, world_size=n, stage=stage, **study.offload(stage), **options)
+        for stage in study.stages
+        for n in world_sizes
+    ]
+    seq_len = options["seq_len"] or config.max_position_embeddings
+    checkpointing = "on" if options["activation_checkpointing"] else "off"
+    checkpointing += ", its block inputs offloaded" if options["offload_activations"] else ""
+    print(f"{study.name}: {config.describe()}")
+    print(
+        f"{options['mixed_precision']}, {options['optimizer']}, micro batch {options['micro_batch_size']} x "
+        f"{seq_len} tokens, activation checkpointing {checkpointing}; "
+        "GB per rank"
+    )
+    print(format_table(rows))
+    if device_memory:
+        fits = {
+            stage: smallest_world_size(
+                config, device_memory_bytes=device_memory, stage=stage, **study.offload(stage), **options
+            )
+            for stage in study.stages
+        }
+        found = ", ".join(f"stage {s}: {n if n else 'none up to 4096'}" for s, n in fits.items())
+        print(f"smallest world size fitting {device_memory / 1e9:.1f} GB per device: {found}")
+    print()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    for preset in args.preset or DEFAULT_PRESETS:
-        config = TNLGConfig.from_preset(preset)
-        options = {
-            "mixed_precision": args.mixed_precision,
-            "optimizer": args.optimizer,
-            "micro_batch_size": args.micro_batch_size,
-            "seq_len": args.seq_len,
-            "activation_checkpointing": not args.no_activation_checkpointing,
-        }
-
-        def offload(stage: int) -> dict[str, str]:
-            # Stage 0 partitions nothing, so there is nothing to offload; parameters only in stage 3.
-            return {
-                "offload_optimizer": "cpu" if args.offload and stage >= 1 else "none",
-                "offload_param": "cpu" if args.offload and stage == 3 else "none",
-            }
-
-        rows = [
-            estimate_memory(config, world_size=n, stage=stage, **offload(stage), **options)
-            for stage in args.stages
-            for n in args.world_sizes
-        ]
-        seq_len = args.seq_len or config.max_position_embeddings
-        print(f"{preset}: {config.describe()}")
-        print(
-            f"{args.mixed_precision}, {args.optimizer}, micro batch {args.micro_batch_size} x {seq_len} tokens, "
-            f"activation checkpointing {'off' if args.no_activation_checkpointing else 'on'}; GB per rank"
-        )
-        print(format_table(rows))
-        if args.device_memory:
-            fits = {
-                stage: smallest_world_size(
-                    config, device_memory_bytes=args.device_memory, stage=stage, **offload(stage), **options
-                )
-                for stage in args.stages
-            }
-            found = ", ".join(f"stage {s}: {n if n else 'none up to 4096'}" for s, n in fits.items())
-            print(f"smallest world size fitting {args.device_memory / 1e9:.1f} GB per device: {found}")
-        print()
+    if args.config:
+        studies = [study_from_run_config(args.config, args.optimizer)]
+    else:
+        studies = studies_from_flags(args)
+    for study in studies:
+        print_study(study, args.world_sizes, args.device_memory)
 
 
 if __name__ == "__main__":

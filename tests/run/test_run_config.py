@@ -64,6 +64,43 @@ def test_every_committed_run_config_loads(path):
     config.zero.to_zero_config(config.train.mixed_precision)  # valid engine settings
 
 
+def test_activation_checkpointing_is_a_typed_model_section(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  activation_checkpointing: {enabled: true}\n")
+    section = load_run_config(path).model.activation_checkpointing
+    assert (section.enabled, section.cpu_offload) == (True, False)
+    assert not load_run_config(None).model.activation_checkpointing.enabled  # off unless asked for
+    overridden = load_run_config(path, ["--model.activation_checkpointing.cpu_offload", "true"])
+    assert overridden.model.activation_checkpointing.cpu_offload is True
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["--model.activation_checkpointing.enabled", "often"],
+            "activation_checkpointing.enabled: expected bool",
+        ),
+        (
+            ["--model.activation_checkpointing.enabled", "1"],
+            "activation_checkpointing.enabled: expected bool",
+        ),
+        (["--model.activation_checkpointing.offload", "true"], "did you mean .*cpu_offload"),
+        (["--model.activation_checkpointing.cpu_offload", "true"], "cpu_offload needs .*enabled: true"),
+        (["--model.activation_checkpointing", "true"], "model.activation_checkpointing: expected a mapping"),
+    ],
+)
+def test_bad_activation_checkpointing_settings_are_named(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_run_config(None, overrides)
+
+
+@pytest.mark.parametrize("name", ["tnlg-17b", "mt-nlg-530b"])
+def test_the_big_configs_are_sized_with_checkpointing_and_turn_it_on(name):
+    config = load_run_config(REPO / "configs" / "pretrain" / f"{name}.yaml")
+    assert config.model.activation_checkpointing.enabled
+
+
 def test_the_example_deepspeed_config_parses():
     config = ZeroConfig.from_deepspeed(
         REPO / "configs" / "deepspeed" / "zero3-bf16.json",

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from tests.support import REPO
 from tnlg.modeling import TNLGConfig
 from tnlg.sharding import ZeroConfig
 from tnlg.tools.memory import (
@@ -249,3 +250,95 @@ def test_script_prints_smallest_world_sizes(capsys):
     out = capsys.readouterr().out
     assert "smallest world size fitting 80.0 GB" in out and "stage 3:" in out
     assert "mt-nlg-530b" not in out
+
+
+RUN_CONFIGS = REPO / "configs" / "pretrain"
+
+
+def test_script_takes_a_run_configs_settings(capsys, tmp_path):
+    from scripts.estimate_memory import main
+
+    def activations(checkpointing: str) -> float:
+        path = tmp_path / f"run-{checkpointing}.yaml"
+        path.write_text(
+            "model: {preset: tnlg-17b, activation_checkpointing: {enabled: " + checkpointing + "}}\n"
+            "data: {seq_len: 512}\nzero: {stage: 3}\ntrain: {micro_batch_size: 2, mixed_precision: bf16}\n"
+        )
+        main(["--config", str(path), "--world-sizes", "16"])
+        out = capsys.readouterr().out
+        assert "micro batch 2 x 512 tokens" in out
+        assert f"activation checkpointing {'on' if checkpointing == 'true' else 'off'}" in out
+        (row,) = [line.split() for line in out.splitlines() if line.split()[:2] == ["3", "16"]]
+        return float(row[-3])  # the activations column
+
+    tnlg_17b = TNLGConfig.from_preset("tnlg-17b")
+    for checkpointing, flag in (("true", True), ("false", False)):
+        expected = activation_bytes(tnlg_17b, micro_batch_size=2, seq_len=512, activation_checkpointing=flag)
+        assert activations(checkpointing) == pytest.approx(expected / GB, abs=0.005)
+
+
+def test_script_refuses_settings_a_run_config_decides(capsys):
+    from scripts.estimate_memory import main
+
+    with pytest.raises(SystemExit):
+        main(["--config", str(RUN_CONFIGS / "tnlg-17b.yaml"), "--no-activation-checkpointing"])
+    assert "--config decides --no-activation-checkpointing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["tnlg-17b", "mt-nlg-530b"])
+def test_the_big_run_configs_fit_80_gb_with_their_checkpointing(capsys, name):
+    from scripts.estimate_memory import main
+
+    main(["--config", str(RUN_CONFIGS / f"{name}.yaml"), "--world-sizes", "512", "--device-memory", "80GB"])
+    out = capsys.readouterr().out
+    assert "activation checkpointing on" in out
+    (row,) = [line.split() for line in out.splitlines() if line.split()[:2] == ["3", "512"]]
+    assert float(row[-2]) < 80  # the device column, in GB
+
+
+def test_offloaded_activations_move_all_block_inputs_but_one_to_the_host(tnlg_17b):
+    kept = estimate_memory(tnlg_17b, world_size=8, stage=3, micro_batch_size=2, seq_len=512)
+    offloaded = estimate_memory(
+        tnlg_17b, world_size=8, stage=3, micro_batch_size=2, seq_len=512, offload_activations=True
+    )
+    block_input = 2 * 2 * 512 * tnlg_17b.hidden_size  # bf16 (B, T, H)
+    moved = (tnlg_17b.num_hidden_layers - 1) * block_input
+    assert offloaded.activations == kept.activations  # still kept, elsewhere
+    assert (offloaded.cpu_bytes, kept.cpu_bytes) == (moved, 0)
+    assert offloaded.device_bytes == kept.device_bytes - moved
+    assert "act" in format_table([offloaded]).splitlines()[2]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"offload_activations": "yes"}, "offload_activations must be True or False"),
+        ({"offload_activations": True, "activation_checkpointing": False}, "needs activation_checkpointing"),
+    ],
+)
+def test_bad_activation_offload_is_refused(tnlg_17b, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        estimate_memory(tnlg_17b, world_size=8, stage=3, **kwargs)
+
+
+def test_script_takes_a_run_configs_activation_offload(capsys, tmp_path):
+    from scripts.estimate_memory import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model: {preset: tnlg-17b, activation_checkpointing: {enabled: true, cpu_offload: true}}\n"
+        "data: {seq_len: 256}\nzero: {stage: 3}\ntrain: {micro_batch_size: 2, mixed_precision: bf16}\n"
+    )
+    main(["--config", str(path), "--world-sizes", "8"])
+    out = capsys.readouterr().out
+    assert "activation checkpointing on, its block inputs offloaded" in out
+    (row,) = [line.split() for line in out.splitlines() if line.split()[:2] == ["3", "8"]]
+    expected = estimate_memory(
+        TNLGConfig.from_preset("tnlg-17b"),
+        world_size=8,
+        stage=3,
+        micro_batch_size=2,
+        seq_len=256,
+        offload_activations=True,
+    )
+    assert row[2] == "act" and float(row[-1]) == pytest.approx(expected.cpu_bytes / GB, abs=0.005)

@@ -25,15 +25,39 @@ T = TypeVar("T")
 
 
 @dataclass(kw_only=True)
+class ActivationCheckpointingSection:
+    """`enabled` recomputes each decoder block's forward during backward instead of keeping its
+    activations (forward keeps only every block's input: what the 17B and 530B configs are sized for);
+    `cpu_offload` also moves the activations forward keeps, those block inputs first, to host memory
+    until backward needs them (tnlg.run.activations)."""
+
+    enabled: bool = False
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        # Without recomputation, offloading would copy every activation of every block across PCIe:
+        # not what the option is for, and a setting that is more likely a typo than a choice.
+        if self.cpu_offload and not self.enabled:
+            raise ValueError(
+                "model.activation_checkpointing.cpu_offload needs model.activation_checkpointing.enabled: "
+                "true (it offloads the activations that checkpointing keeps)"
+            )
+
+
+@dataclass(kw_only=True)
 class ModelSection:
     """`preset` names a `TNLGConfig` preset; `overrides` change any of its fields. `init_from` starts
     from a Transformers checkpoint directory (safetensors) instead of the seeded initialization:
     its config.json is the architecture (`preset` is not used; `overrides` still apply), and each
-    rank reads only its shards of the weights."""
+    rank reads only its shards of the weights. `activation_checkpointing` trades recomputation for
+    activation memory (see its section)."""
 
     preset: str = "debug"
     overrides: dict[str, Any] = field(default_factory=dict)
     init_from: str | None = None
+    activation_checkpointing: ActivationCheckpointingSection = field(
+        default_factory=ActivationCheckpointingSection
+    )
 
 
 @dataclass(kw_only=True)

@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tnlg.accelerate import ZeroAccelerator
 from tnlg.modeling import TNLGConfig
+from tnlg.run.activations import enable_activation_checkpointing, offloaded_activations
 from tnlg.run.build import check_init_from, meta_model, model_config, run_tokenizer
 from tnlg.run.checkpoint import RunCheckpointer
 from tnlg.run.config import TrainingConfig
@@ -114,6 +115,8 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
     tokenizer = run_tokenizer(job.tokenizer, config.model)
     architecture = model_config(config.model, tokenizer, job.seq_len)
     model = (job.build_model or meta_model)(architecture)
+    if config.model.activation_checkpointing.enabled:  # before the engine hooks the blocks
+        enable_activation_checkpointing(model)
     optimizer = build_optimizer(model, config.optimizer)
     # The scheduler is stepped by the loop once per optimizer step (Accelerate's wrapper would step it
     # once per process, for loops whose step counts assume one process), so it is not prepared.
@@ -157,12 +160,14 @@ def train_step(run: Run, batches: Iterator[dict[str, torch.Tensor]], step: int) 
     `train.on_nonfinite_loss` policy), the schedule; returns the step's metrics."""
     accelerator, train_section = run.accelerator, run.config.train
     accumulation = train_section.gradient_accumulation_steps
+    offload = run.config.model.activation_checkpointing.cpu_offload
     started = time.perf_counter()
     totals = torch.zeros(2, device=accelerator.device)  # [mean loss, tokens]: one collective per step
     for _ in range(accumulation):
         batch = {k: v.to(accelerator.device) for k, v in next(batches).items()}
         with accelerator.accumulate(run.engine):
-            loss = run.engine(**batch).loss
+            with offloaded_activations(offload):  # what forward saves for backward goes to the host
+                loss = run.engine(**batch).loss
             accelerator.backward(loss)
             totals[0] += loss.detach() / accumulation
             totals[1] += batch["input_ids"].numel()

@@ -22,6 +22,7 @@ CPU offload is estimated as the engine places it (see [Note: offload] in shardin
 gradient shard too (kept there in fp32); Adam's offloaded step also keeps a 16-bit copy of the
 shard on the host (`offload_copy`, except in stage 3 with `offload_param`, whose host shard it
 writes directly). `offload_param` moves stage 3's 16-bit parameter shard to the host.
+`offload_activations` (activation checkpointing's CPU offload) moves the checkpointed blocks' inputs there.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class MemoryEstimate:
     compute copy, its gradients, the fp32 master weights and e.g. Adam's moments), wherever they
     live. `gathered` is stage 3's working set of whole blocks, `activations` what forward keeps for
     backward. `offload_copy` is the host's 16-bit copy of the updated shard (offloaded Adam).
+    `offloaded_activations` is the part of `activations` held in host memory (checkpointing's CPU offload).
     `device_bytes` and `cpu_bytes` split the total by the offload settings.
     """
 
@@ -70,6 +72,7 @@ class MemoryEstimate:
     offload_copy: int = 0
     gathered: int = 0
     activations: int = 0
+    offloaded_activations: int = 0
 
     @property
     def model_states(self) -> int:
@@ -81,6 +84,7 @@ class MemoryEstimate:
         if self.offload_optimizer == "cpu":
             offloaded += self.master + self.optimizer_state + self.offload_copy
             offloaded += self.grads if self.stage >= 2 else 0  # stage 1 keeps full gradients on the device
+        offloaded += self.offloaded_activations
         return offloaded + (self.params if self.offload_param == "cpu" else 0)
 
     @property
@@ -153,13 +157,20 @@ def estimate_memory(
     micro_batch_size: int = 1,
     seq_len: int | None = None,
     activation_checkpointing: bool = True,
+    offload_activations: bool = False,
     optimizer: str = "adamw",
     param_persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
 ) -> MemoryEstimate:
     """Per-rank bytes of model states, stage 3 gathered blocks and activations for training `config`.
 
-    `seq_len` defaults to `config.max_position_embeddings`; `micro_batch_size` is per rank. Raises
-    ValueError naming the first bad argument (the ZeRO settings with the engine's own ZeroConfig message).
+    `seq_len` defaults to `config.max_position_embeddings`; `micro_batch_size` is per rank.
+    `offload_activations` (with `activation_checkpointing`: the run's `model.activation_checkpointing.
+    cpu_offload`) keeps the checkpointed blocks' inputs in host memory, all but the one a recomputation
+    has brought back; the tensors outside the blocks come back at the start of backward and are
+    counted on the device.
+
+    Raises ValueError naming the first bad argument (the ZeRO settings with the engine's own ZeroConfig
+    message).
     """
     if not isinstance(config, TNLGConfig):
         raise ValueError(f"config must be a TNLGConfig, got {type(config).__name__}")
@@ -184,7 +195,15 @@ def estimate_memory(
         compute_bytes=compute,
         activation_checkpointing=activation_checkpointing,
     )
-    return replace(states, gathered=gathered, activations=activations)
+    if not isinstance(offload_activations, bool):
+        raise ValueError(f"offload_activations must be True or False, got {offload_activations!r}")
+    if offload_activations and not activation_checkpointing:
+        raise ValueError("offload_activations needs activation_checkpointing (it offloads what that keeps)")
+    block_input = (
+        compute * micro_batch_size * (seq_len or config.max_position_embeddings) * config.hidden_size
+    )
+    offloaded = (config.num_hidden_layers - 1) * block_input if offload_activations else 0
+    return replace(states, gathered=gathered, activations=activations, offloaded_activations=offloaded)
 
 
 def activation_bytes(
@@ -299,7 +318,11 @@ def format_table(rows: Sequence[MemoryEstimate]) -> str:
     def offload(row: MemoryEstimate) -> str:
         cpu = [
             name
-            for name, where in (("opt", row.offload_optimizer), ("param", row.offload_param))
+            for name, where in (
+                ("opt", row.offload_optimizer),
+                ("param", row.offload_param),
+                ("act", "cpu" if row.offloaded_activations else "none"),
+            )
             if where == "cpu"
         ]
         return "+".join(cpu) or "-"
