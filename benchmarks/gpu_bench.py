@@ -266,7 +266,9 @@ def bench_training(
         mfu = f"{100 * tokens * config.flops_per_token(seq_len) / peak:.1f}%" if peak else ""
         results[label] = seconds
         lines.append(f"| {label} | {seconds * 1e3:.1f} | {tokens:,.0f} | {mfu} |")
-        del engine, model, optimizer
+        # The next configuration is measured alone on the device: `step` holds this engine too.
+        engine.close()
+        del engine, model, optimizer, step
         if device.type == "cuda":
             torch.cuda.empty_cache()
     first, second = results.values()
