@@ -1,9 +1,12 @@
 """Fused model kernels in Triton, each next to the plain-PyTorch reference it must equal.
 
-- `layer_norm`: one program per row, statistics in fp32, output in the input's dtype; backward
-  computes the input gradient per row in Triton and the weight / bias gradients as torch sums.
-- `bias_gelu`: GeLU (tanh approximation, `gelu_new`) of `x + bias` in one elementwise pass, forward
-  and backward, keeping only `x` for backward (as the unfused pair keeps the linear's output).
+- `layer_norm`: one program per row walking it in column blocks of at most COLUMN_BLOCK lanes
+  (registers do not grow with the width), statistics in fp32, output in the input's dtype; backward
+  computes the input gradient per row, and the weight / bias gradients as column sums in fp32
+  registers over groups of rows, whose few partial rows torch adds up.
+- `bias_gelu`: GeLU (tanh approximation, `gelu_new`) of `x + bias` in one elementwise pass, keeping
+  only `x` for backward (as the unfused pair keeps the linear's output); backward writes dx in its
+  dtype and sums the bias gradient the same way (no fp32 copy of dx).
 - `linear_cross_entropy`: the LM head and its loss over row chunks. A chunk's logits (chunk x vocab,
   in the compute dtype) are made, a Triton kernel turns each row into its loss and, in place, its
   logit gradient (online softmax over vocabulary blocks), and the chunk's input and weight gradients
@@ -79,40 +82,93 @@ def _layer_norm_kernels() -> dict:
     import triton
     import triton.language as tl
 
+    # The row kernels walk a row in column blocks of BLOCK lanes (at most COLUMN_BLOCK), so the
+    # registers a program holds do not grow with the width: one power-of-two block for the row
+    # would be 32768 lanes at MT-NLG's 20480 (spilling) and 8192 at T-NLG's 4256 (48% masked).
     @triton.jit
     def layer_norm_forward(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        """Statistics in one read of the row (Welford per lane, the lanes merged with Chan et al.'s
+        formula: no E[x^2] - E[x]^2 cancellation), then a second read normalizes."""
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=0) / n_cols
-        centered = tl.where(mask, x - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = centered * rstd * w + b
-        tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        x_row = x_ptr + row * n_cols
+        count = tl.zeros([BLOCK], tl.float32)
+        lane_mean = tl.zeros([BLOCK], tl.float32)
+        lane_m2 = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            count += tl.where(mask, 1.0, 0.0)
+            delta = tl.where(mask, x - lane_mean, 0.0)
+            lane_mean += delta / tl.maximum(count, 1.0)
+            lane_m2 += delta * (x - lane_mean)  # 0 where masked: delta is
+        mean = tl.sum(lane_mean * count, axis=0) / n_cols
+        spread = lane_mean - mean
+        var = (tl.sum(lane_m2, axis=0) + tl.sum(count * spread * spread, axis=0)) / n_cols
+        rstd = 1.0 / tl.sqrt(var + eps)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            y = (x - mean) * rstd * w + b
+            tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(mean_ptr + row, mean)
         tl.store(rstd_ptr + row, rstd)
 
     @triton.jit
-    def layer_norm_backward(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, n_cols, BLOCK: tl.constexpr):
+    def layer_norm_backward_dx(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, n_cols, BLOCK: tl.constexpr):
+        """One row: its two sums (xhat * w * dy, w * dy) over the blocks, then dx block by block."""
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + row)
         rstd = tl.load(rstd_ptr + row)
-        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-        wdy = w * dy
-        c1 = tl.sum(xhat * wdy, axis=0) / n_cols
-        c2 = tl.sum(wdy, axis=0) / n_cols
-        dx = (wdy - (xhat * c1 + c2)) * rstd
-        tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        sum_xhat_wdy = tl.zeros([BLOCK], tl.float32)
+        sum_wdy = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            wdy = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) * dy  # 0 where masked
+            sum_xhat_wdy += (x - mean) * rstd * wdy
+            sum_wdy += wdy
+        c1 = tl.sum(sum_xhat_wdy, axis=0) / n_cols
+        c2 = tl.sum(sum_wdy, axis=0) / n_cols
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            dx = (w * dy - ((x - mean) * rstd * c1 + c2)) * rstd
+            tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
-    return {"forward": layer_norm_forward, "backward": layer_norm_backward}
+    # The weight and bias gradients are column sums over all rows, so they get their own kernel
+    # (as Apex's and Megatron's CUDA LayerNorms do): folding them into the row kernel would need a
+    # per-program partial row read and rewritten for every row (a load after a store of the same
+    # address across loop iterations, which Triton's software pipelining may reorder).
+    @triton.jit
+    def layer_norm_backward_dwdb(
+        dy_ptr, x_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr, n_rows, n_cols, BLOCK: tl.constexpr
+    ):
+        """Column block program_id(1), rows g, g + G, ... for g = program_id(0) of G: dy * xhat and
+        dy summed in fp32 registers, stored to row g of the (G, n_cols) fp32 partials."""
+        group = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        dw = tl.zeros([BLOCK], tl.float32)
+        db = tl.zeros([BLOCK], tl.float32)
+        for row in range(group, n_rows, tl.num_programs(0)):
+            offsets = tl.cast(row, tl.int64) * n_cols + cols  # rows x cols can pass 2^31
+            x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            dw += (x - tl.load(mean_ptr + row)) * tl.load(rstd_ptr + row) * dy  # 0 where masked
+            db += dy
+        tl.store(dw_ptr + group.to(tl.int64) * n_cols + cols, dw, mask=mask)
+        tl.store(db_ptr + group.to(tl.int64) * n_cols + cols, db, mask=mask)
+
+    return {"forward": layer_norm_forward, "dx": layer_norm_backward_dx, "dwdb": layer_norm_backward_dwdb}
 
 
 @functools.cache
@@ -133,18 +189,28 @@ def _bias_gelu_kernels() -> dict:
         tl.store(y_ptr + offsets, (0.5 * z * (1.0 + t)).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def bias_gelu_backward(dy_ptr, x_ptr, b_ptr, dx_ptr, n, n_cols, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < n
-        z = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        z += tl.load(b_ptr + offsets % n_cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        u2 = tl.minimum(tl.maximum(2.0 * 0.7978845608028654 * (z + 0.044715 * z * z * z), -40.0), 40.0)
-        t = 1.0 - 2.0 / (tl.exp(u2) + 1.0)
-        slope = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (
-            1.0 + 3.0 * 0.044715 * z * z
-        )
-        tl.store(dx_ptr + offsets, (dy * slope).to(dx_ptr.dtype.element_ty), mask=mask)
+    def bias_gelu_backward(dy_ptr, x_ptr, b_ptr, dx_ptr, db_ptr, n_rows, n_cols, BLOCK: tl.constexpr):
+        """Column block program_id(1), rows g, g + G, ... for g = program_id(0) of G: dx stored in
+        its dtype row by row, and the bias gradient of those rows summed in fp32 registers into row
+        g of the (G, n_cols) fp32 partials. No fp32 tensor of dx's size is ever made."""
+        group = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        bias = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dbias = tl.zeros([BLOCK], tl.float32)
+        for row in range(group, n_rows, tl.num_programs(0)):
+            offsets = tl.cast(row, tl.int64) * n_cols + cols
+            z = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + bias
+            dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            u2 = tl.minimum(tl.maximum(2.0 * 0.7978845608028654 * (z + 0.044715 * z * z * z), -40.0), 40.0)
+            t = 1.0 - 2.0 / (tl.exp(u2) + 1.0)
+            slope = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (
+                1.0 + 3.0 * 0.044715 * z * z
+            )
+            dx = dy * slope  # 0 where masked: dy is
+            tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dbias += dx
+        tl.store(db_ptr + group.to(tl.int64) * n_cols + cols, dbias, mask=mask)
 
     return {"forward": bias_gelu_forward, "backward": bias_gelu_backward}
 
@@ -203,6 +269,24 @@ def _warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
+COLUMN_BLOCK = 1024  # lanes per block of a row for LayerNorm and bias + GeLU: 4256 is 5 blocks
+CPU_ROW_GROUPS = 4  # the interpreter runs programs one by one; a few still give one several rows
+
+
+def _column_block(n_cols: int) -> int:
+    return min(_row_block(n_cols), COLUMN_BLOCK)
+
+
+def _row_groups(rows: int, column_blocks: int, device: torch.device) -> int:
+    """Programs along the rows (per column block) for the kernels that sum weight / bias gradients
+    over rows: about four programs per SM in all. Each stores one row of fp32 partial sums, so the
+    partials are (groups, width), not the (tokens, width) fp32 product a torch sum would make."""
+    if device.type != "cuda":
+        return max(1, min(rows, CPU_ROW_GROUPS))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(rows, 4 * sms // column_blocks))
+
+
 # ---------------------------------------------------------------------------- LayerNorm
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
@@ -213,7 +297,7 @@ class _LayerNorm(torch.autograd.Function):
         y = torch.empty_like(x2)
         mean = torch.empty(rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-        block = _row_block(cols)
+        block = _column_block(cols)
         if rows:
             _layer_norm_kernels()["forward"][(rows,)](
                 x2, weight, bias, y, mean, rstd, cols, eps, BLOCK=block, num_warps=_warps(block)
@@ -228,14 +312,19 @@ class _LayerNorm(torch.autograd.Function):
         rows, cols = x2.shape
         dy2 = dy.reshape(rows, cols).contiguous()
         dx = torch.empty_like(x2)
-        block = _row_block(cols)
+        block = _column_block(cols)
+        column_blocks = (cols + block - 1) // block
+        groups = _row_groups(rows, column_blocks, x2.device) if rows else 0
+        partial_dw = torch.empty(groups, cols, dtype=torch.float32, device=x2.device)  # all written
+        partial_db = torch.empty(groups, cols, dtype=torch.float32, device=x2.device)
         if rows:
-            _layer_norm_kernels()["backward"][(rows,)](
-                dy2, x2, weight, mean, rstd, dx, cols, BLOCK=block, num_warps=_warps(block)
+            kernels, warps = _layer_norm_kernels(), _warps(block)
+            kernels["dx"][(rows,)](dy2, x2, weight, mean, rstd, dx, cols, BLOCK=block, num_warps=warps)
+            kernels["dwdb"][(groups, column_blocks)](
+                dy2, x2, mean, rstd, partial_dw, partial_db, rows, cols, BLOCK=block, num_warps=warps
             )
-        xhat = (x2.float() - mean[:, None]) * rstd[:, None]
-        dweight = (dy2.float() * xhat).sum(0).to(weight.dtype)
-        dbias = dy2.float().sum(0).to(weight.dtype)
+        dweight = partial_dw.sum(0).to(weight.dtype)
+        dbias = partial_db.sum(0).to(weight.dtype)
         return dx.reshape(ctx.shape), dweight, dbias, None
 
 
@@ -268,12 +357,17 @@ class _BiasGelu(torch.autograd.Function):
         x, bias = ctx.saved_tensors
         dy = dy.contiguous()
         dx = torch.empty_like(x)
-        n = x.numel()
-        if n:
-            grid = ((n + ELEMENTWISE_BLOCK - 1) // ELEMENTWISE_BLOCK,)
-            _bias_gelu_kernels()["backward"][grid](dy, x, bias, dx, n, x.shape[-1], BLOCK=ELEMENTWISE_BLOCK)
-        dbias = dx.reshape(-1, x.shape[-1]).float().sum(0).to(bias.dtype)
-        return dx, dbias
+        cols = x.shape[-1]
+        rows = x.numel() // cols if cols else 0
+        block = _column_block(cols)
+        column_blocks = (cols + block - 1) // block
+        groups = _row_groups(rows, column_blocks, x.device) if rows else 0
+        partial_dbias = torch.empty(groups, cols, dtype=torch.float32, device=x.device)  # all written
+        if rows:
+            _bias_gelu_kernels()["backward"][(groups, column_blocks)](
+                dy, x, bias, dx, partial_dbias, rows, cols, BLOCK=block, num_warps=_warps(block)
+            )
+        return dx, partial_dbias.sum(0).to(bias.dtype)
 
 
 def bias_gelu(x, bias, choice: str = "triton"):

@@ -32,39 +32,82 @@ def leaves(*tensors: torch.Tensor, dtype=torch.float32) -> list[torch.Tensor]:
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("width", [48, 100])  # 100: a row shorter than its power-of-two block
-def test_layer_norm_matches_torch(dtype, width):
+def check_layer_norm(rows: int, width: int, dtype: torch.dtype, device: str = DEVICE):
+    """Triton LayerNorm against torch's on fp32 copies of the same inputs, forward and backward."""
     generator = torch.Generator().manual_seed(width)
-    x, weight, bias = leaves(
-        torch.randn(3, 7, width, generator=generator) * 2 + 1,
-        torch.randn(width, generator=generator),
-        torch.randn(width, generator=generator),
-        dtype=dtype,
+    x, weight, bias = (
+        t.to(device, dtype).requires_grad_()
+        for t in (
+            torch.randn(rows, width, generator=generator) * 2 + 1,
+            torch.randn(width, generator=generator),
+            torch.randn(width, generator=generator),
+        )
     )
     y = fused_ops.layer_norm(x, weight, bias, 1e-5, "triton")
     expected_inputs = [t.detach().float().requires_grad_() for t in (x, weight, bias)]
     expected = fused_ops.layer_norm_reference(*expected_inputs, 1e-5)
     assert y.dtype == dtype and relative_error(y, expected) <= TOLERANCE[dtype]
     for got, want in zip(gradients(y, [x, weight, bias]), gradients(expected, expected_inputs), strict=True):
-        assert relative_error(got, want) <= TOLERANCE[dtype]
+        assert got.dtype == dtype and relative_error(got, want) <= TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bias_gelu_matches_gelu_new(dtype):
-    generator = torch.Generator().manual_seed(0)
-    x, bias = leaves(
-        torch.randn(5, 3, 96, generator=generator) * 4, torch.randn(96, generator=generator), dtype=dtype
+def check_bias_gelu(rows: int, width: int, dtype: torch.dtype, device: str = DEVICE):
+    """Triton bias + GeLU against gelu_new on fp32 copies of the same inputs, forward and backward."""
+    generator = torch.Generator().manual_seed(width)
+    x, bias = (
+        t.to(device, dtype).requires_grad_()
+        for t in (torch.randn(rows, width, generator=generator) * 4, torch.randn(width, generator=generator))
     )
     y = fused_ops.bias_gelu(x, bias, "triton")
     expected_inputs = [t.detach().float().requires_grad_() for t in (x, bias)]
     expected = fused_ops.bias_gelu_reference(*expected_inputs)
+    assert y.dtype == dtype and relative_error(y, expected) <= TOLERANCE[dtype]
+    for got, want in zip(gradients(y, [x, bias]), gradients(expected, expected_inputs), strict=True):
+        assert got.dtype == dtype and relative_error(got, want) <= TOLERANCE[dtype]
+
+
+# Widths: 48 and 100 fit one block (100 short of its power of two); 1064 (T-NLG's 4256 / 4) and
+# 2560 span two and three blocks of COLUMN_BLOCK = 1024, the last one partly masked. More rows
+# than CPU_ROW_GROUPS, so a program of the gradient-sum kernels adds up several rows.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "width"), [(21, 48), (21, 100), (6, 1064), (6, 2560)])
+def test_layer_norm_matches_torch(dtype, rows, width):
+    assert fused_ops.COLUMN_BLOCK == 1024  # the widths above are chosen against it
+    check_layer_norm(rows, width, dtype)
+
+
+def test_layer_norm_statistics_survive_a_large_mean():
+    """Rows around 3000 with spread 2, against fp64: E[x^2] - E[x]^2 in fp32 would lose the variance
+    (about 9e6 - 9e6, ulp 1 for a variance of 4); the per-lane Welford merge keeps it to the
+    rounding of x - mean (3000 * 2^-24 / 2, about 1e-4)."""
+    x = (torch.randn(5, 2560, generator=torch.Generator().manual_seed(0)) * 2 + 3000).to(DEVICE)
+    weight, bias = torch.ones(2560, device=DEVICE), torch.zeros(2560, device=DEVICE)
+    y = fused_ops.layer_norm(x, weight, bias, 1e-5, "triton")
+    expected = fused_ops.layer_norm_reference(x.double(), weight.double(), bias.double(), 1e-5)
+    assert (y.double() - expected).abs().max() <= 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "width"), [(15, 96), (6, 1064), (5, 2560)])
+def test_bias_gelu_matches_gelu_new(dtype, rows, width):
+    check_bias_gelu(rows, width, dtype)
+
+
+def test_the_gelu_reference_is_transformers_gelu_new():
     from transformers.activations import ACT2FN
 
-    torch.testing.assert_close(expected, ACT2FN["gelu_new"](expected_inputs[0] + expected_inputs[1]))
-    assert relative_error(y, expected) <= TOLERANCE[dtype]
-    for got, want in zip(gradients(y, [x, bias]), gradients(expected, expected_inputs), strict=True):
-        assert relative_error(got, want) <= TOLERANCE[dtype]
+    x, bias = torch.randn(5, 96) * 4, torch.randn(96)
+    torch.testing.assert_close(fused_ops.bias_gelu_reference(x, bias), ACT2FN["gelu_new"](x + bias))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [4256, 20480])  # T-NLG's and MT-NLG's hidden sizes
+def test_kernels_at_model_widths_on_gpu(dtype, hidden):
+    """Compiled (not interpreted) kernels at the real widths: LayerNorm at the hidden size, bias +
+    GeLU at the MLP's 4 x hidden."""
+    check_layer_norm(8, hidden, dtype, device="cuda")
+    check_bias_gelu(8, 4 * hidden, dtype, device="cuda")
 
 
 @pytest.mark.parametrize("num_items", [None, 50, torch.tensor(50)])  # a tensor: Trainer's num_items_in_batch
