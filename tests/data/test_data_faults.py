@@ -9,7 +9,6 @@ import json
 import logging
 import pickle
 
-import pandas as pd
 import pytest
 import zstandard
 
@@ -134,6 +133,7 @@ def test_prepare_data_refuses_a_damaged_input_and_writes_nothing(damaged, tmp_pa
 
 
 def test_a_damaged_parquet_file_is_named_by_both_readers(tmp_path):
+    pd = pytest.importorskip("pandas")  # not at module level: the GPU image may lack it
     pd.DataFrame({"text": [f"row {i} " * 20 for i in range(200)]}).to_parquet(tmp_path / "whole.parquet")
     data = (tmp_path / "whole.parquet").read_bytes()
     cut = tmp_path / "cut.parquet"
@@ -233,6 +233,7 @@ def test_question_answering_fields_are_checked_too(tokenizer):
 
 
 def test_csv_cells_are_read_as_the_text_written(tmp_path, tokenizer):
+    pd = pytest.importorskip("pandas")
     path = tmp_path / "train.csv"
     pd.DataFrame({"document": ["agent", "power", "blank"], "summary": ["007", "1e3", None]}).to_csv(
         path, index=False

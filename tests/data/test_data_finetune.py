@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pandas as pd
 import pytest
 import torch
 
@@ -37,8 +36,10 @@ def write(path, rows, kind):
     elif kind == "json":
         path.write_text(json.dumps(rows))
     elif kind == "csv":
+        pd = pytest.importorskip("pandas")  # not at module level: the GPU image may lack it
         pd.DataFrame(rows).to_csv(path, index=False)
     else:
+        pd = pytest.importorskip("pandas")
         pd.DataFrame(rows).to_parquet(path)
     return path
 

@@ -174,6 +174,7 @@ def test_batches_are_labelled_for_the_causal_lm(corpus):
 
 
 def test_parquet_sources_read_through_datasets(tmp_path):
+    pytest.importorskip("datasets")  # the reader's; the GPU image has none
     import pyarrow  # a dependency of datasets
     import pyarrow.parquet
 
@@ -190,6 +191,7 @@ def test_parquet_sources_read_through_datasets(tmp_path):
 def dataset_directory(tmp_path):
     """A local `datasets` dataset (a directory whose file names give the splits) and the same records
     as one plain file."""
+    pytest.importorskip("datasets")  # such a source is read through it; the GPU image has none
     records = docs("gamma", 11, "Pile-CC")
     (tmp_path / "gamma" / "data").mkdir(parents=True)
     write_jsonl(tmp_path / "gamma" / "data" / "train.jsonl", records)
@@ -225,7 +227,7 @@ def test_a_datasets_source_resumes_exactly(dataset_directory):
 
 
 def test_an_unreachable_dataset_is_an_error_naming_it(dataset_directory, monkeypatch):
-    import datasets
+    datasets = pytest.importorskip("datasets")
 
     monkeypatch.setattr(
         datasets.config, "HF_HUB_OFFLINE", True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,110 @@ def test_kernel_sources_are_package_data():
     for source in sources:
         relative = source.relative_to(REPO / "sharding" / "kernels")
         assert any(relative.match(pattern) for pattern in patterns), f"{relative} is not package data"
+
+
+# Makes `datasets` absent, as on the GPU image: every import finder is wrapped to find no such
+# module (a bare ImportError would also break `importlib.util.find_spec` probes, which absence does not).
+_HIDE_DATASETS = """
+import sys
+
+class _Hide:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "datasets" or name.startswith("datasets."):
+            return None
+        return self.inner.find_spec(name, path, target)
+
+    def __getattr__(self, attribute):
+        return getattr(self.inner, attribute)
+
+sys.meta_path[:] = [_Hide(finder) for finder in sys.meta_path]
+"""
+
+# Without datasets: the package imports, the pretraining data paths (embedded corpus files, pre-tokenized
+# data) feed a tiny model under a 1-rank ZeRO engine, and what needs datasets names the install command.
+_WITHOUT_DATASETS = """
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import tnlg, tnlg.modeling, tnlg.sharding, tnlg.accelerate, tnlg.trainer, tnlg.run.loop, tnlg.run.pretrain
+from tnlg import TNLGConfig, TNLGForCausalLM
+from tnlg.data import PretokenizedCorpus, PretokenizedStream, SourceConfig, StreamConfig, TokenStream
+from tnlg.data.corpus import embedded_corpus
+from tnlg.data.finetune import load_rows
+from tnlg.data.pretokenized import write_pretokenized
+from tnlg.data.sources import DocumentReader
+from tnlg.data.tokenizer import byte_level_tokenizer
+from tnlg.sharding import ZeroConfig, initialize
+
+try:
+    import datasets  # noqa: F401
+except ModuleNotFoundError:
+    pass
+else:
+    raise SystemExit("datasets is still importable: the test would prove nothing")
+
+work = Path(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=0, world_size=1)
+tokenizer = byte_level_tokenizer()
+corpus = embedded_corpus(max_bytes_per_subset=20_000, root=work)
+source = SourceConfig(name="embedded", paths=tuple(str(f) for f in corpus.files()))
+stream = TokenStream(StreamConfig(sources=(source,), seq_len=16, shuffle_buffer=1), tokenizer, batch_size=2)
+write_pretokenized(["a first document", "and a second one, a little longer"], tokenizer, work / "tokens")
+tokens = PretokenizedStream([PretokenizedCorpus(work / "tokens", seq_len=16)], [1.0], batch_size=2)
+model = TNLGForCausalLM(TNLGConfig.from_preset("debug"))
+engine = initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ZeroConfig(stage=2))
+for batch in (next(iter(stream)), next(iter(tokens))):
+    input_ids = torch.as_tensor(batch["input_ids"], dtype=torch.long)
+    loss = engine(input_ids=input_ids, labels=input_ids).loss
+    engine.backward(loss)
+    engine.step()
+    assert torch.isfinite(loss), loss
+print("trained")
+
+parquet = work / "rows.parquet"
+parquet.write_bytes(b"PAR1")
+for needs_datasets in (
+    lambda: load_rows("embedded:qa", [], "train"),
+    lambda: next(iter(DocumentReader(SourceConfig(name="p", paths=(str(parquet),))))),
+    lambda: next(iter(DocumentReader(SourceConfig(name="hub", dataset="wikitext")))),
+):
+    try:
+        needs_datasets()
+    except ImportError as error:
+        print("ImportError:", error)
+    else:
+        raise SystemExit("a feature that reads through datasets ran without it")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_tnlg_pretrains_without_datasets_and_names_it_where_needed(tmp_path):
+    """The GPU image has no `datasets`: importing tnlg and pretraining must not need it."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(_HIDE_DATASETS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hide), str(REPO)]), "TNLG_CACHE": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_DATASETS, str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    assert lines[0] == "trained", result.stdout
+    errors = lines[1:]
+    assert len(errors) == 3, result.stdout
+    assert all("needs the `datasets` package" in e and e.endswith("pip install datasets") for e in errors)
+    assert (
+        "embedded set 'embedded:qa'" in errors[0] and "rows.parquet" in errors[1] and "wikitext" in errors[2]
+    ), errors

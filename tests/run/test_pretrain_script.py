@@ -168,6 +168,7 @@ def _wait_for_listener(port: int, process: subprocess.Popen, timeout: float = 12
 
 @pytest.mark.slow
 def test_the_run_is_recorded_in_tensorboard(run):
+    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     output, losses = run

@@ -2,7 +2,8 @@
 
 Sources (the fine-tuning config's `data` section): local json / jsonl / csv / parquet files, a
 `datasets` builder with `data_files`, a local `save_to_disk` directory, a hub dataset (when the hub is
-reachable), or an embedded example set ("embedded:docstrings", "embedded:qa"; no download).
+reachable), or an embedded example set ("embedded:docstrings", "embedded:qa"; no download). All are
+read through `datasets`, imported when rows are loaded ([Note: optional datasets] in optional.py).
 
 Batches: every epoch the examples are shuffled (seeded by the run seed and the epoch); with packing
 they are then laid, in that order, into rows of `max_length` tokens, each example in one piece with
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from tnlg.data.files import DamagedFileError, check_compressed, compression_of, expand_path
+from tnlg.data.optional import require_datasets
 from tnlg.data.tasks import IGNORE_INDEX, BadExampleError, TaskFormat, encode_example, pad_batch
 
 logger = logging.getLogger(__name__)
@@ -116,17 +118,17 @@ def load_rows(
 ) -> Rows:
     """The raw rows of a split (see the module docstring for what `dataset` may be); ValueError
     naming the file or split when there are none."""
-    import datasets
-
+    if dataset is None and not paths:
+        raise ValueError("no data source: set data.dataset or data.paths")
     if dataset is not None and dataset.startswith(EMBEDDED_PREFIX):
         from tnlg.data.embedded_tasks import embedded_dataset_files
 
+        require_datasets(f"reading the embedded set {dataset!r}")  # asked before building the set
         return _load_files("json", None, [Path(f) for f in embedded_dataset_files(dataset, split)])
     if paths:
         files = data_files(paths)
         return _load_files(dataset or builder_for([str(f) for f in files]), dataset_config, files)
-    if dataset is None:
-        raise ValueError("no data source: set data.dataset or data.paths")
+    datasets = require_datasets(f"reading the fine-tuning dataset {dataset!r}")
     local = Path(dataset)
     if local.is_dir() and any((local / n).is_file() for n in ("dataset_info.json", "dataset_dict.json")):
         loaded = datasets.load_from_disk(str(local))
@@ -184,7 +186,7 @@ def data_files(paths: Sequence[str]) -> list[Path]:
 
 
 def _load_files(builder: str, dataset_config: str | None, files: Sequence[Path]) -> Rows:
-    import datasets
+    datasets = require_datasets("reading fine-tuning data files")
 
     tables = [_load_file(builder, dataset_config, path) for path in files]
     try:
@@ -198,7 +200,7 @@ def _load_files(builder: str, dataset_config: str | None, files: Sequence[Path])
 
 def _load_file(builder: str, dataset_config: str | None, path: Path) -> Any:
     """One file's rows, refusing an empty, damaged or unreadable file by name."""
-    import datasets
+    datasets = require_datasets(f"reading the fine-tuning file {path}")
 
     if compression_of(path) is not None:
         if check_compressed(path) == 0:  # a 0-byte compressed file is damaged (DamagedFileError)
@@ -230,8 +232,8 @@ def _load_file(builder: str, dataset_config: str | None, path: Path) -> Any:
 def _csv_as_text(path: Path) -> dict[str, Any]:
     """`load_dataset` options reading every CSV column as text: letting pandas guess the types would
     turn "007" into 7 and "1e3" into 1000.0."""
-    import datasets
-    import pandas
+    datasets = require_datasets(f"reading the CSV file {path}")
+    import pandas  # a dependency of datasets: imported after it, so its absence is named first
 
     columns = pandas.read_csv(path, nrows=0).columns  # the header alone
     return {"features": datasets.Features({str(c): datasets.Value("string") for c in columns})}

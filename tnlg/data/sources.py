@@ -6,6 +6,7 @@ JSON object per line, the text under `text_field`, the Pile's subset name under
 Instead of files, a source can name a `datasets` dataset (`dataset=`, with `dataset_config` and
 `split`): a hub name when the hub is reachable, or a local dataset directory; it is read with
 `load_dataset(..., streaming=True)`, its rows numbered in the split's order like one file's lines.
+Only parquet files and `dataset=` sources need `datasets` ([Note: optional datasets] in optional.py).
 
 [Note: record sharding]
 Records (lines, rows) are numbered across the source's files in the epoch's file order; rank r of
@@ -38,6 +39,7 @@ from typing import Any
 import zstandard
 
 from .files import DamagedFileError, expand_path, read_lines
+from .optional import require_datasets
 
 logger = logging.getLogger(__name__)
 
@@ -276,22 +278,23 @@ class DocumentReader:
 
 
 def _parquet_records(path: Path) -> Iterator[dict]:
-    import pyarrow
-    from datasets import load_dataset
+    datasets = require_datasets(f"reading the parquet file {path}")
+    import pyarrow  # a dependency of datasets: imported after it, so its absence is named first
 
     try:
         # Escaped: datasets globs data_files, and the path is an existing file, taken literally.
-        yield from load_dataset("parquet", data_files=glob.escape(str(path)), split="train", streaming=True)
+        yield from datasets.load_dataset(
+            "parquet", data_files=glob.escape(str(path)), split="train", streaming=True
+        )
     except pyarrow.ArrowException as error:
         raise DamagedFileError(path, f"it cannot be read as parquet ({error})") from error
 
 
 def _dataset_records(split: DatasetSplit) -> Iterator[dict]:
     """The rows of a `datasets` split, streamed (no download of the whole dataset first)."""
-    from datasets import load_dataset
-
+    datasets = require_datasets(f"reading the dataset {split}")
     try:
-        rows = load_dataset(split.name, split.config, split=split.split, streaming=True)
+        rows = datasets.load_dataset(split.name, split.config, split=split.split, streaming=True)
     except Exception as error:  # datasets raises many types (offline, not found, bad config, bad split)
         raise OSError(f"the dataset cannot be opened ({type(error).__name__}: {error})") from error
     try:

@@ -61,10 +61,15 @@ class LossCurve:
         return cls(**{f.name: list(state.get(f.name, [])) for f in fields(cls)})
 
     def save(self, directory: Path) -> None:
-        """`loss_curve.json` always, and `loss_curve.png` (training loss and validation perplexity)."""
+        """`loss_curve.json` always, and `loss_curve.png` (training loss and validation perplexity) when
+        matplotlib is installed."""
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "loss_curve.json").write_text(json.dumps(self.state_dict()))
-        import matplotlib
+        try:
+            import matplotlib
+        except ImportError:  # an offline image may lack it: the curve stays in loss_curve.json
+            logger.warning("matplotlib is not installed: no loss_curve.png (pip install matplotlib)")
+            return
 
         matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
