@@ -114,10 +114,14 @@ class ZeroEngine(nn.Module):
         self.lr_scheduler = (
             settings.training.scheduler.build(optimizer) if settings.training.scheduler is not None else None
         )
+        if self.config.partitions_parameters and optimizer is not None:
+            # Stage 3 training: gathers on a group of their own (see [Note: gather group] in
+            # collectives.py). Opened last, so that no error above leaves it behind unclosed.
+            self.collectives.open_gather_group()
         # Teardown without __del__ (see [Note: engine lifetime] in grads.py): runs once, at close(), when
         # the engine is garbage-collected, or at interpreter exit. Its arguments must not hold the engine.
         self._finalizer = weakref.finalize(
-            self, _release_parts, self.reducer, self.scheduler, self.optimizer, self.groups
+            self, _release_parts, self.reducer, self.scheduler, self.optimizer, self.groups, self.collectives
         )
 
     # ------------------------------------------------------------------ the training loop
@@ -526,9 +530,11 @@ def _release_parts(
     scheduler: ParameterScheduler | None,
     optimizer: ShardedOptimizer | None,
     groups: list[FlatGroup],
+    collectives: Collectives,
 ) -> None:
     """An engine's teardown (its finalizer: see `ZeroEngine.close`). Reductions first, since they write
-    into the groups' buffers; then gathers; then the optimizer and the buffers themselves."""
+    into the groups' buffers; then gathers; then the optimizer and the buffers themselves; last the gather
+    group, once nothing is in flight on it."""
     if reducer is not None:
         reducer.close()
     if scheduler is not None:
@@ -537,6 +543,7 @@ def _release_parts(
         optimizer.close()
     for group in groups:
         group.close()
+    collectives.close()
 
 
 def _check_backend(device: torch.device, collectives: Collectives) -> None:

@@ -21,6 +21,8 @@ those a pending backward still needs (an evaluation between a training forward a
 A block's forward re-run inside backward (activation recomputation) neither prefetches nor
 releases. A block whose outputs carry no tensor that requires grad stays gathered until backward
 ends. The order of gathers is the same on every rank, since it follows the same module calls.
+In training they run on a process group of their own, so that a prefetch in backward does not queue
+behind the gradient reductions (see [Note: gather group] in collectives.py).
 """
 
 from __future__ import annotations

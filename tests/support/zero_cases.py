@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import torch
 import torch.distributed as dist
@@ -110,3 +111,66 @@ def equivalence_matrix(rank: int, world_size: int) -> dict:
     if world_size > 1:
         results[("ddp", None)] = train_ddp(rank, world_size)
     return results
+
+
+def gather_group_use(rank: int, world_size: int) -> dict:
+    """Which process group each all-gather and reduce-scatter of two stage 3 steps ran on (the torch
+    functions `Collectives` calls, wrapped to record it), what `comm_stats` counted meanwhile, and
+    how many process groups are alive before engines, after three closed ones and after one dropped."""
+    from tnlg.sharding import collectives as module
+
+    live_groups = len(dist.distributed_c10d._world.pg_map)  # private, but the one registry of groups
+    calls: list[tuple[str, object, int]] = []
+
+    def recording(kind: str, original):
+        def call(output, tensor, *args, group=None, **kwargs):
+            payload = output if kind == "all_gather" else tensor  # what `CommStats` counts
+            calls.append((kind, group, payload.numel() * payload.element_size()))
+            return original(output, tensor, *args, group=group, **kwargs)
+
+        return call
+
+    originals = module._all_gather, module._reduce_scatter
+    module._all_gather = recording("all_gather", originals[0])
+    module._reduce_scatter = recording("reduce_scatter", originals[1])
+    try:
+        model = make_model()
+        engine = initialize(model, make_optimizer(model), ZeroConfig(**{**SMALL, "stage": 3}))
+        engine.reset_comm_stats()
+        for batch in batches(2):
+            engine.backward(engine(*local(batch, rank, world_size)))
+            engine.step()
+    finally:
+        module._all_gather, module._reduce_scatter = originals
+    collectives = engine.collectives
+    gather_group = collectives.gather_group
+    result = {
+        "stats": engine.comm_stats(),
+        "recorded": {
+            kind: {
+                "calls": sum(1 for k, _, _ in calls if k == kind),
+                "bytes": sum(n for k, _, n in calls if k == kind),
+            }
+            for kind in ("all_gather", "reduce_scatter")
+        },
+        "gathers_on_gather_group": all(g is gather_group for k, g, _ in calls if k == "all_gather"),
+        "reductions_on_engine_group": all(
+            g is collectives.group for k, g, _ in calls if k == "reduce_scatter"
+        ),
+        "gather_group_is_world": gather_group is None or gather_group == dist.group.WORLD,
+        "gather_group_ranks": dist.get_process_group_ranks(gather_group),
+        "groups_with_engine": len(dist.distributed_c10d._world.pg_map),
+    }
+    engine.close()
+    result["gather_group_after_close_is_engine_group"] = collectives.gather_group is collectives.group
+    for _ in range(3):
+        model = make_model()
+        initialize(model, make_optimizer(model), ZeroConfig(**{**SMALL, "stage": 3})).close()
+    result["groups_after_closed_engines"] = len(dist.distributed_c10d._world.pg_map)
+    model = make_model()
+    dropped = initialize(model, make_optimizer(model), ZeroConfig(**{**SMALL, "stage": 3}))
+    del dropped  # the finalizer, not close(), destroys its group
+    gc.collect()
+    result["groups_after_dropped_engine"] = len(dist.distributed_c10d._world.pg_map)
+    result["groups_before"] = live_groups
+    return result
