@@ -3,12 +3,10 @@ with its CPU offload of saved activations; losses equal those of the run without
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.support import REPO
+from tests.support.run_cases import build_debug_run
 from tnlg import TNLGForCausalLM
 from tnlg.run.activations import (
     HostActivations,
@@ -19,7 +17,6 @@ from tnlg.run.activations import (
 from tnlg.run.build import meta_model
 from tnlg.tools.spawn import run_distributed
 
-DEBUG = REPO / "configs" / "pretrain" / "debug.yaml"
 VARIANTS = {"plain": [], "checkpointed": ["true", "false"], "offloaded": ["true", "true"]}
 
 
@@ -98,10 +95,7 @@ def test_checkpointing_with_offload_gives_the_same_loss_and_gradients(debug_conf
 def _losses(rank, world_size, cache, output, variant):
     """Three optimizer steps of the debug run at ZeRO stage 3 built by `build_run`, with the variant's
     `model.activation_checkpointing`; the losses, and whether the engine's model recomputes."""
-    os.environ["TNLG_CACHE"] = cache
-    from tnlg.run.config import load_run_config
-    from tnlg.run.loop import TrainingJob, build_run, train_step
-    from tnlg.run.pretrain import training_stream
+    from tnlg.run.loop import train_step
 
     overrides = ["--train.output_dir", output, "--logging.trackers", "[]", "--zero.stage", "3",
                  "--data.shuffle_buffer", "1", "--train.micro_batch_size", "4",
@@ -110,14 +104,7 @@ def _losses(rank, world_size, cache, output, variant):
         enabled, offload = VARIANTS[variant]
         overrides += ["--model.activation_checkpointing.enabled", enabled]
         overrides += ["--model.activation_checkpointing.cpu_offload", offload]
-    config = load_run_config(DEBUG, overrides)
-    job = TrainingJob(
-        name="test",
-        seq_len=config.data.seq_len,
-        tokenizer=config.data.tokenizer,
-        batches=lambda tokenizer, r, w: training_stream(config, tokenizer, r, w),
-    )
-    run = build_run(config, job)
+    run = build_debug_run(cache, overrides)
     batches = iter(run.stream)
     losses = [train_step(run, batches, step)["loss"] for step in range(3)]
     checkpointing = is_activation_checkpointing(run.engine.module)

@@ -3,42 +3,28 @@ micro-batches into one optimizer step the way one larger batch would be."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.support import REPO
+from tests.support.run_cases import build_debug_run
 from tnlg.tools.spawn import run_distributed
 
 pytestmark = pytest.mark.slow  # every test here launches processes (see pyproject's markers)
-
-DEBUG = REPO / "configs" / "pretrain" / "debug.yaml"
 
 
 def _two_steps(rank, world_size, cache, output, micro_batch_size, accumulation):
     """Two optimizer steps of the debug run through build_run / train_step; the metrics, the stream's
     position and the consolidated parameters after them."""
-    os.environ["TNLG_CACHE"] = cache
-    from tnlg.run.config import load_run_config
-    from tnlg.run.loop import TrainingJob, build_run, train_step
-    from tnlg.run.pretrain import training_stream
+    from tnlg.run.loop import train_step
 
-    config = load_run_config(
-        DEBUG,
+    run = build_debug_run(
+        cache,
         [
             "--train.output_dir", output, "--logging.trackers", "[]", "--data.shuffle_buffer", "1",
             "--train.micro_batch_size", str(micro_batch_size),
             "--train.gradient_accumulation_steps", str(accumulation),
         ],
     )  # fmt: skip
-    job = TrainingJob(
-        name="test",
-        seq_len=config.data.seq_len,
-        tokenizer=config.data.tokenizer,
-        batches=lambda tokenizer, r, w: training_stream(config, tokenizer, r, w),
-    )
-    run = build_run(config, job)
     batches = iter(run.stream)
     metrics = [train_step(run, batches, step) for step in range(2)]
     state = {k: v.clone() for k, v in run.engine.full_state_dict().items()}
