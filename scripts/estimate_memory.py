@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tnlg.modeling import TNLGConfig
+from tnlg.run.build import architecture
 from tnlg.run.cli import exit_on_input_error
 from tnlg.run.config import load_run_config
 from tnlg.sharding.config import MIXED_PRECISIONS
@@ -140,10 +141,7 @@ def study_from_run_config(path: str, optimizer: str) -> Study:
     """The run's model (its preset, or init_from's config.json, with its overrides) and its settings."""
     run = load_run_config(path)
     section = run.model
-    if section.init_from:
-        model = TNLGConfig.from_pretrained(section.init_from, **section.overrides)
-    else:
-        model = TNLGConfig.from_preset(section.preset, **section.overrides)
+    model = architecture(section)
     zero = run.zero.to_zero_config(run.train.mixed_precision)
     options = {
         "mixed_precision": run.train.mixed_precision,

@@ -96,7 +96,8 @@ class CPUAdam(torch.optim.Optimizer):
                     raise ValueError(
                         f"CPUAdam updates fp32 CPU tensors; got a {param.dtype} tensor on {param.device}"
                     )
-        adam_threads()  # a bad thread setting is named here rather than at the first step
+        # Sized once: a bad thread setting is named here rather than at the first step.
+        self.threads = adam_threads()
 
     @property
     def uses_extension(self) -> bool:
@@ -126,7 +127,6 @@ class CPUAdam(torch.optim.Optimizer):
         targets = self._by_param(out16, "out16")
         given = self._by_param(grads, "grads")
         kernel = cpu_extension("cpu_adam")
-        threads = adam_threads()
         for group in self.param_groups:
             if group["maximize"]:
                 raise ValueError("CPUAdam does not implement maximize=True")
@@ -137,7 +137,7 @@ class CPUAdam(torch.optim.Optimizer):
                 _check_gradient(param, grad)
                 out = targets.get(param)
                 state = adam_state(self.state[param], param, group["amsgrad"])
-                _update(kernel, threads, group, param, grad, state, out, grad_scale)
+                _update(kernel, self.threads, group, param, grad, state, out, grad_scale)
         return loss
 
     def _by_param(self, tensors, what: str) -> dict[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,15 +47,19 @@ def run_tokenizer(name: str, model: ModelSection) -> PreTrainedTokenizerBase:
     return default_tokenizer(TNLGConfig.from_preset(model.preset, **model.overrides).vocab_size)
 
 
+def architecture(section: ModelSection, **preset_defaults: Any) -> TNLGConfig:
+    """`model.init_from`'s config (its architecture and special tokens), else the preset with
+    `preset_defaults` for what the overrides leave unset; both with `model.overrides`."""
+    if section.init_from:
+        return TNLGConfig.from_pretrained(section.init_from, **section.overrides)
+    return TNLGConfig.from_preset(section.preset, **{**preset_defaults, **section.overrides})
+
+
 def model_config(section: ModelSection, tokenizer: PreTrainedTokenizerBase, seq_len: int) -> TNLGConfig:
-    """The architecture: `model.init_from`'s config, else the preset; both with `model.overrides`."""
-    overrides = dict(section.overrides)
-    if section.init_from:  # the checkpoint's architecture and special tokens
-        model = TNLGConfig.from_pretrained(section.init_from, **overrides)
-    else:
-        overrides.setdefault("eos_token_id", tokenizer.eos_token_id)
-        overrides.setdefault("bos_token_id", tokenizer.eos_token_id)
-        model = TNLGConfig.from_preset(section.preset, **overrides)
+    """The run's `architecture`, a preset's special tokens the tokenizer's end-of-text; checked against
+    the tokenizer and the sequence length."""
+    eos = tokenizer.eos_token_id
+    model = architecture(section, eos_token_id=eos, bos_token_id=eos)
     if len(tokenizer) > model.vocab_size:
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens, the model's vocabulary {model.vocab_size}"
