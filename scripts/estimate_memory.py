@@ -3,6 +3,10 @@
 python scripts/estimate_memory.py                               # tnlg-17b and mt-nlg-530b
 python scripts/estimate_memory.py --preset tnlg-17b --offload --device-memory 80GB
 python scripts/estimate_memory.py --config configs/pretrain/tnlg-17b.yaml --world-sizes 32
+
+With --config it also prints the meta-device plan (tnlg/tools/memory_plan.py): the run's model built on
+the meta device, cut and laid out by the engine's own planner at each world size, with stage 3's
+gathered blocks, whole gradients and reduce buckets replayed from the engine's policies.
 """
 
 from __future__ import annotations
@@ -12,17 +16,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from tnlg.modeling import TNLGConfig
-from tnlg.run.build import architecture
+from tnlg.run.build import architecture, meta_model
 from tnlg.run.cli import exit_on_input_error
-from tnlg.run.config import load_run_config
-from tnlg.sharding.config import MIXED_PRECISIONS
+from tnlg.run.config import RunConfig, load_run_config
+from tnlg.run.optim import build_optimizer
+from tnlg.sharding.config import MIXED_PRECISIONS, ZeroConfig
 from tnlg.tools.memory import (
     OPTIMIZER_STATE_BYTES,
+    MemoryEstimate,
     estimate_memory,
     format_table,
     parse_bytes,
     smallest_world_size,
 )
+from tnlg.tools.memory_plan import format_plans, plan_rank_memory
 
 DEFAULT_PRESETS = ["tnlg-17b", "mt-nlg-530b"]
 
@@ -64,6 +71,8 @@ class Study:
     options: dict[str, Any]  # estimate_memory's keyword arguments other than world_size and stage
     offload_optimizer: bool
     offload_param: bool
+    run: RunConfig | None = None  # --config: the run, whose engine layout is also planned
+    zero: ZeroConfig | None = None
 
     def offload(self, stage: int) -> dict[str, str]:
         # Stage 0 partitions nothing, so there is nothing to offload; parameters only in stage 3.
@@ -159,6 +168,8 @@ def study_from_run_config(path: str, optimizer: str) -> Study:
         options,
         offload_optimizer=zero.offload_optimizer != "none",
         offload_param=zero.offload_param != "none",
+        run=run,
+        zero=zero,
     )
 
 
@@ -188,6 +199,38 @@ def print_study(study: Study, world_sizes: list[int], device_memory: int | None)
         }
         found = ", ".join(f"stage {s}: {n if n else 'none up to 4096'}" for s, n in fits.items())
         print(f"smallest world size fitting {device_memory / 1e9:.1f} GB per device: {found}")
+    print()
+    if study.run is not None:
+        print_plan(study, rows, device_memory)
+
+
+def print_plan(study: Study, estimates: list[MemoryEstimate], device_memory: int | None) -> None:
+    """The meta-device plan of the run at each world size (activations from the estimate's formula)."""
+    model = meta_model(study.model)
+    optimizer = build_optimizer(model, study.run.optimizer)
+    plans = [
+        plan_rank_memory(
+            model,
+            optimizer,
+            study.zero,
+            world_size=estimate.world_size,
+            optimizer_kind=study.options["optimizer"],
+            activations=estimate.activations,
+            offloaded_activations=estimate.offloaded_activations,
+        )
+        for estimate in estimates
+    ]
+    plan = plans[0]
+    print(
+        f"meta-device plan (the engine's layout of this run's model): largest unit {plan.largest_unit:,} "
+        f"elements; GB per rank"
+    )
+    if study.zero.stage == 3:
+        print(
+            f"stage 3 prefetch: max_live_parameters {study.zero.max_live_parameters:,}, every block "
+            f"prefetched from {plan.prefetch_floor:,}"
+        )
+    print(format_plans(plans, device_memory))
     print()
 
 

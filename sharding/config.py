@@ -38,17 +38,20 @@ class ZeroConfig:
         overflow-free steps double it.
     static_loss_scale: a fixed fp16 loss scale instead of the dynamic one.
     gradient_clipping: clip the global gradient norm to this value; 0 disables clipping.
-    reduce_bucket_size: elements of gradients reduced in one collective (stages 0-2 group
-        consecutive parameters into buckets of this size; stage 3 reduces per block).
+    reduce_bucket_size: elements of gradients reduced in one collective: consecutive parameters
+        are grouped into units of at most this size (a larger parameter gets one of its own); in
+        stage 3 within each block, so a unit is also what one all-gather fills. Stages 2-3 keep at
+        most two buckets' worth of reductions in flight (at least one bucket, however large).
     overlap_comm: launch each bucket's reduction asynchronously as soon as its gradients are
         ready, overlapping the rest of backward; False reduces after backward.
     prefetch_bucket_size: stage 3: elements of upcoming blocks gathered ahead of their use; 0
         disables prefetching.
     param_persistence_threshold: stage 3: parameters with at most this many elements stay
         whole on every rank (gathering them costs more in latency than it saves in memory).
-    max_live_parameters: stage 3: prefetching never takes the gathered elements above this; the
-        block about to run is always gathered, and blocks kept for backward
-        (`reshard_after_forward=False`) are not counted against it.
+    max_live_parameters: stage 3: prefetching never takes the gathered elements above this,
+        counting every gathered block (the root block, with the embeddings, included); the block
+        about to run is always gathered. Below the root plus the two largest neighbouring blocks,
+        some blocks are never prefetched: the engine warns at initialize, naming the figure needed.
     reshard_after_forward: stage 3: free gathered blocks after their forward and gather them
         again in backward (ZeRO-3); False keeps them until their backward (more memory, less
         communication).

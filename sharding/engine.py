@@ -383,7 +383,7 @@ class ZeroEngine(nn.Module):
     # ------------------------------------------------------------------ setup helpers
     def _flat_groups(self, plan: ShardingPlan, placement: Placement, trainable: bool) -> list[FlatGroup]:
         """One flat group per param group of the plan, its buffers not yet filled."""
-        alignment = _alignment(placement.device, self.compute_dtype)
+        alignment = layout_alignment(placement.device, self.compute_dtype)
         return [
             FlatGroup(
                 group,
@@ -436,6 +436,7 @@ class ZeroEngine(nn.Module):
             self.config.stage,
             self.collectives,
             self.config.overlap_comm,
+            self.config.reduce_bucket_size,
             on_unit_reduced=self.scheduler.on_unit_reduced if self.scheduler else None,
             on_backward_end=self.scheduler.release_all if self.scheduler else None,
         )
@@ -500,7 +501,7 @@ def _target_device(requested: torch.device | str | None, planned: torch.device) 
     return target
 
 
-def _alignment(device: torch.device, dtype: torch.dtype) -> int:
+def layout_alignment(device: torch.device, dtype: torch.dtype) -> int:
     """Elements each rank's piece of a unit is aligned to (see CUDA_ALIGNMENT_BYTES)."""
     if device.type != "cuda":
         return 1

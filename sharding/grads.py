@@ -52,9 +52,10 @@ from .collectives import Collectives
 from .flat_group import FlatGroup, is_placeholder
 from .partition import Unit
 
-# Stages 2-3 hold a full-size bucket per reduction in flight; two overlap communication with the
-# next bucket's copy without letting buckets pile up.
-MAX_BUCKETS_IN_FLIGHT = 2
+# Stages 2-3 hold a bucket (a unit's gradients, in the compute dtype) per reduction in flight. At most
+# this many reduce buckets' worth of elements stay in flight (always at least the newest bucket,
+# however large): enough to overlap communication with the next bucket's copy, never a pile of them.
+BUCKETS_IN_FLIGHT = 2
 
 
 class WeakHook:
@@ -75,6 +76,7 @@ class WeakHook:
 class _InFlight:
     handle: object
     finish: Callable[[], None]
+    numel: int = 0  # the bucket's elements (stages 2-3), kept alive until the collective completes
 
 
 class GradientReducer:
@@ -84,6 +86,7 @@ class GradientReducer:
         stage: int,
         collectives: Collectives,
         overlap_comm: bool,
+        reduce_bucket_size: int,
         on_unit_reduced: Callable[[FlatGroup, Unit], None] | None = None,
         on_backward_end: Callable[[], None] | None = None,
     ):
@@ -91,6 +94,7 @@ class GradientReducer:
         self.stage = stage
         self.collectives = collectives
         self.overlap_comm = overlap_comm
+        self.max_in_flight_numel = BUCKETS_IN_FLIGHT * reduce_bucket_size
         self.on_unit_reduced = on_unit_reduced
         self.on_backward_end = on_backward_end
         self.sync = True
@@ -228,11 +232,15 @@ class GradientReducer:
                 del bucket  # kept alive until the collective has read it
                 group.add_reduced_gradient(unit, reduced, alpha=1.0 / world)
 
-            self._in_flight.append(_InFlight(handle, accumulate))
-            while len(self._in_flight) > MAX_BUCKETS_IN_FLIGHT:
+            self._in_flight.append(_InFlight(handle, accumulate, unit.numel))
+            while len(self._in_flight) > 1 and self.in_flight_numel() > self.max_in_flight_numel:
                 self._complete_oldest()
         if self.on_unit_reduced is not None:
             self.on_unit_reduced(group, unit)
+
+    def in_flight_numel(self) -> int:
+        """Elements of the stage 2-3 buckets whose reduce-scatter has not completed yet."""
+        return sum(work.numel for work in self._in_flight)
 
     def _complete_oldest(self) -> None:
         work = self._in_flight.popleft()

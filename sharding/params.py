@@ -28,6 +28,9 @@ behind the gradient reductions (see [Note: gather group] in collectives.py).
 from __future__ import annotations
 
 import enum
+import itertools
+import warnings
+from collections.abc import Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -116,6 +119,19 @@ class ParameterScheduler:
             self._hooks.append(block.module.register_forward_hook(WeakHook(self._post_forward, position)))
         self._hooks.append(self.root.module.register_forward_pre_hook(WeakHook(self._root_pre_forward)))
         self._hooks.append(self.root.module.register_forward_hook(WeakHook(self._root_post_forward)))
+        self._warn_if_prefetch_cannot_happen()
+
+    def _warn_if_prefetch_cannot_happen(self) -> None:
+        needed = prefetch_floor(self.root.numel, [block.numel for block in self.ordered])
+        if self.config.prefetch_bucket_size > 0 and needed > self.config.max_live_parameters:
+            warnings.warn(
+                f"ZeRO stage 3: max_live_parameters={self.config.max_live_parameters:,} is below the "
+                f"{needed:,} gathered elements that prefetching needs (the root block's "
+                f"{self.root.numel:,} and the two largest neighbouring blocks), so some blocks (all, if "
+                "the blocks are alike) will be gathered only when they run, without overlap; raise "
+                "max_live_parameters to at least that, or set prefetch_bucket_size=0 to say so",
+                stacklevel=2,
+            )
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
@@ -194,21 +210,54 @@ class ParameterScheduler:
     # ------------------------------------------------------------------ prefetch
     def _prefetch(self, position: int, step: int) -> None:
         """Start gathering the blocks after (step=1) or before (step=-1) `position`, within budget."""
-        budget = self.config.prefetch_bucket_size
-        live = self.live_numel()
-        index = position + step
-        while 0 <= index < len(self.ordered) and budget > 0:
-            block = self.ordered[index]
-            if block.state is BlockState.SHARDED:
-                if live + block.numel > self.config.max_live_parameters:
-                    return
-                block.gather()
-                live += block.numel
-            budget -= block.numel
-            index += step
+        chosen = blocks_to_prefetch(
+            [block.numel for block in self.ordered],
+            [block.state is not BlockState.SHARDED for block in self.ordered],
+            position,
+            step,
+            live=self.live_numel(),
+            budget=self.config.prefetch_bucket_size,
+            max_live=self.config.max_live_parameters,
+        )
+        for index in chosen:
+            self.ordered[index].gather()
 
     def live_numel(self) -> int:
         return sum(b.numel for b in self.blocks if b.state is not BlockState.SHARDED)
+
+
+def blocks_to_prefetch(
+    numels: Sequence[int],
+    gathered: Sequence[bool],
+    position: int,
+    step: int,
+    *,
+    live: int,
+    budget: int,
+    max_live: int,
+) -> list[int]:
+    """The blocks (of the ordered, non-root ones) to start gathering after (step=1) or before (step=-1)
+    `position`, in order: the next ones along until `budget` elements of them are gathered or under way,
+    stopping at the first that would take the `live` gathered elements above `max_live`. Pure, so that
+    the memory plan (tnlg.tools.memory) replays the scheduler's own policy."""
+    chosen = []
+    index = position + step
+    while 0 <= index < len(numels) and budget > 0:
+        if not gathered[index]:
+            if live + numels[index] > max_live:
+                break
+            chosen.append(index)
+            live += numels[index]
+        budget -= numels[index]
+        index += step
+    return chosen
+
+
+def prefetch_floor(root_numel: int, numels: Sequence[int]) -> int:
+    """The smallest `max_live_parameters` that lets every block be prefetched by its neighbour: the root
+    block (gathered all step) plus the largest pair of neighbouring blocks."""
+    pairs = [a + b for a, b in itertools.pairwise(numels)]
+    return root_numel + max(pairs, default=0)
 
 
 def _tensors(output: object) -> list[torch.Tensor]:

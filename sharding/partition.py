@@ -3,7 +3,7 @@
 [Note: flat layout]
 One `FlatLayout` per optimizer param group. Its parameters are packed, in order, into *units*:
 a unit is a run of consecutive parameters that is communicated as one collective (a gradient
-bucket in stages 0-2, a block's parameters in stage 3). Each unit is padded to a multiple of
+bucket in stages 0-2; in stage 3 a block's parameters, cut the same way). Each unit is padded to a multiple of
 `num_shards * alignment` elements and split into `num_shards` equal *pieces*; rank r owns piece r
 of every unit. So, for a group:
 

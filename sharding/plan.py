@@ -148,7 +148,14 @@ def _plan_stage3_units(groups: list[GroupPlan], blocks: list[BlockPlan], config:
         for i, p in enumerate(group.params):
             if p.numel() > config.param_persistence_threshold:
                 by_block.setdefault(owner[id(p)], []).append(i)
-        units = [(members, block) for block, members in by_block.items()]
+        # A block's parameters are cut into units of at most `reduce_bucket_size` elements (one larger
+        # parameter alone): a unit is what one all-gather fills and one reduce-scatter empties, so
+        # this bounds the communication buffers (at 530B a whole layer is 5e9 elements, 10 GB in bf16).
+        units = [
+            ([members[j] for j in run], block)
+            for block, members in by_block.items()
+            for run in pack_units([group.params[i].numel() for i in members], config.reduce_bucket_size)
+        ]
         packed = pack_units([group.params[i].numel() for i in persistent], config.reduce_bucket_size)
         units += [([persistent[j] for j in run], None) for run in packed]
         units.sort(key=lambda unit: unit[0][0])  # layout follows the model's parameter order

@@ -174,3 +174,28 @@ def gather_group_use(rank: int, world_size: int) -> dict:
     result["groups_after_dropped_engine"] = len(dist.distributed_c10d._world.pg_map)
     result["groups_before"] = live_groups
     return result
+
+
+def reduce_buckets_in_flight(rank: int, world_size: int, reduce_bucket_size: int) -> dict:
+    """One stage 3 step with small units: the bucket elements in flight after every reduction launch,
+    the units' sizes, and the losses (to compare with an uncut run)."""
+    model = make_model()
+    config = ZeroConfig(**{**SMALL, "stage": 3, "reduce_bucket_size": reduce_bucket_size})
+    engine = initialize(model, make_optimizer(model), config)
+    in_flight: list[int] = []
+    original = engine.reducer._reduce
+
+    def recording(g, unit):
+        original(g, unit)
+        in_flight.append(engine.reducer.in_flight_numel())
+
+    engine.reducer._reduce = recording
+    losses = []
+    for batch in batches(2):
+        loss = engine(*local(batch, rank, world_size))
+        engine.backward(loss)
+        engine.step()
+        losses.append(_mean_over_ranks(loss.detach()))
+    units = [unit.numel for group in engine.groups for unit in group.layout.units]
+    engine.close()
+    return {"in_flight": in_flight, "units": units, "losses": losses}

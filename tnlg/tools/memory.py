@@ -14,8 +14,9 @@ bytes, plus the optimizer state.
 
 On top of the model states the estimate counts activations (see `activation_bytes`) and, for stage 3,
 the blocks gathered around their use (see `_stage3_gathered_elements`). Not counted: the CUDA context,
-allocator fragmentation, the transient gradient buckets of stages 0-2, stage 3 prefetching (which
-may gather one more decoder layer, bounded by `ZeroConfig.max_live_parameters`) and alignment padding.
+allocator fragmentation, the reduce buckets of stages 2-3, stage 3 prefetching (which may gather one
+more decoder layer, bounded by `ZeroConfig.max_live_parameters`) and alignment padding: the meta-device
+plan (memory_plan.py) counts these from the engine's own layout.
 
 CPU offload is estimated as the engine places it (see [Note: offload] in sharding/offload.py):
 `offload_optimizer` moves the fp32 master and optimizer state to the host, and in stages 2-3 the

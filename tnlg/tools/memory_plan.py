@@ -1,0 +1,235 @@
+"""One rank's memory, planned from the engine's own layout of a model built on the meta device.
+
+`memory.estimate_memory` is arithmetic on parameter counts. This plan asks the engine instead: the
+model is built on the meta device (no storage), the engine's planner (`sharding.plan.plan_sharding`)
+cuts it into units exactly as every rank would, `FlatLayout` lays them out at the given world size
+(padding and alignment included), and stage 3's transients are found by replaying the engine's own
+policies over the real blocks and units:
+
+- gathered parameters: the root block (gathered all step) and, going through the blocks in forward
+  and again in backward order, the running block plus what `blocks_to_prefetch` (the scheduler's
+  policy) starts gathering within `prefetch_bucket_size` and `max_live_parameters`;
+- full gradients: the root block's and the largest block's, which autograd writes whole before the
+  reducer copies them, unit by unit, into buckets;
+- reduce buckets: stages 2-3 copy each unit's gradients into a bucket kept until its reduce-scatter
+  completes, at most `BUCKETS_IN_FLIGHT` reduce buckets' worth in flight (sharding/grads.py), plus
+  the one being filled: bounded from above, since the order units complete in follows autograd.
+
+Not counted, as in the estimate: the CUDA context and NCCL's own buffers, allocator fragmentation,
+temporaries inside kernels. Activations come from `memory.activation_bytes` (a formula: the model
+is never run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tnlg.sharding.config import ZeroConfig
+from tnlg.sharding.engine import COMPUTE_DTYPES, layout_alignment
+from tnlg.sharding.grads import BUCKETS_IN_FLIGHT
+from tnlg.sharding.params import blocks_to_prefetch, prefetch_floor
+from tnlg.sharding.partition import FlatLayout
+from tnlg.sharding.plan import ShardingPlan, plan_sharding
+from tnlg.tools.memory import FP32_BYTES, GB, OPTIMIZER_STATE_BYTES
+
+
+@dataclass(frozen=True)
+class RankMemoryPlan:
+    """Bytes one rank of `world_size` holds, by kind, from the engine's layout (see the module doc).
+
+    Model states (kept all step), as `ZeroEngine.memory_stats` counts them: `params` (16-bit; stage 3:
+    the shard plus the persistent units), `grads`, `master`, `optimizer_state`, `offload_copy` (the
+    offloaded step's 16-bit copy of the shard). Transients, each at its own peak (their sum bounds
+    their joint peak from above: whole gradients become buckets as units are reduced): `gathered`
+    (stage 3's gathered blocks), `full_grads` (stage 3's whole gradients before reduction), `buckets`
+    (reduce buckets). `activations` come from the caller, offloaded ones included; `host` is what
+    offload keeps in host memory."""
+
+    world_size: int
+    stage: int
+    params: int
+    grads: int
+    master: int
+    optimizer_state: int
+    offload_copy: int
+    gathered: int
+    full_grads: int
+    buckets: int
+    activations: int
+    host: int
+    largest_unit: int  # elements: the biggest collective
+    prefetch_floor: int  # stage 3: the max_live_parameters that lets every block be prefetched (0 otherwise)
+    prefetches: bool  # stage 3: whether any block is prefetched at these settings
+
+    @property
+    def device(self) -> int:
+        states = self.params + self.grads + self.master + self.optimizer_state + self.offload_copy
+        return states + self.gathered + self.full_grads + self.buckets + self.activations - self.host
+
+
+def plan_rank_memory(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    zero: ZeroConfig,
+    *,
+    world_size: int,
+    optimizer_kind: str = "adamw",
+    activations: int = 0,
+    offloaded_activations: int = 0,
+    device_type: str = "cuda",
+) -> RankMemoryPlan:
+    """The plan for `model` (on the meta device) trained with `optimizer` over it at `zero`'s settings.
+
+    `activations` / `offloaded_activations`: bytes of activations on the device / in host memory
+    (`memory.activation_bytes`); `device_type`: where the ranks compute ("cuda" aligns each rank's piece
+    of a unit to 256 bytes, as the engine does there). Raises ValueError as the engine's planner does
+    for a bad model or optimizer, or for a bad world size or optimizer kind."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if optimizer_kind not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(
+            f"optimizer_kind must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer_kind!r}"
+        )
+    plan = plan_sharding(model, optimizer, zero)
+    dtype = COMPUTE_DTYPES[zero.mixed_precision]
+    compute = torch.tensor([], dtype=dtype).element_size()
+    alignment = layout_alignment(torch.device(device_type), dtype)
+    shards = world_size if zero.stage >= 1 else 1
+    layouts = [
+        FlatLayout(group.names, [tuple(p.shape) for p in group.params], group.units, shards, alignment)
+        for group in plan.groups
+    ]
+    shard = sum(layout.shard_numel for layout in layouts)
+    full = sum(layout.full_numel for layout in layouts)
+    offload_optimizer = zero.offload_optimizer == "cpu"
+    offload_param = zero.offload_param == "cpu"
+
+    params = compute * (full if zero.stage < 3 else shard + _persistent_numel(plan, layouts))
+    # Stages 2-3 keep a gradient shard (fp32 on the host when the optimizer is there), 0-1 a full buffer.
+    grad_bytes = FP32_BYTES if offload_optimizer else compute
+    grads = grad_bytes * shard if zero.stage >= 2 else compute * full
+    master, optimizer_state = FP32_BYTES * shard, OPTIMIZER_STATE_BYTES[optimizer_kind] * shard
+    offload_copy = compute * shard if offload_optimizer and not (zero.stage == 3 and offload_param) else 0
+    host = offloaded_activations + (compute * shard if offload_param else 0)
+    if offload_optimizer:
+        host += master + optimizer_state + offload_copy + (grads if zero.stage >= 2 else 0)
+
+    unit_numels = [unit.numel for layout in layouts for unit in layout.units]
+    gathered = full_grads = floor = 0
+    prefetches = False
+    if zero.stage == 3:
+        root, blocks = _block_numels(plan, layouts)
+        peak, prefetches = _peak_gathered(root, blocks, zero)
+        gathered = compute * peak
+        full_grads = compute * (root + max(blocks, default=0))
+        floor = prefetch_floor(root, blocks)
+    buckets = compute * _peak_buckets(unit_numels, zero) if zero.stage >= 2 else 0
+    return RankMemoryPlan(
+        world_size=world_size,
+        stage=zero.stage,
+        params=params,
+        grads=grads,
+        master=master,
+        optimizer_state=optimizer_state,
+        offload_copy=offload_copy,
+        gathered=gathered,
+        full_grads=full_grads,
+        buckets=buckets,
+        activations=activations + offloaded_activations,
+        host=host,
+        largest_unit=max(unit_numels),
+        prefetch_floor=floor,
+        prefetches=prefetches,
+    )
+
+
+def _persistent_numel(plan: ShardingPlan, layouts: list[FlatLayout]) -> int:
+    """Stage 3: elements of the persistent units, which every rank holds whole besides its shard."""
+    return sum(
+        unit.numel
+        for group, layout in zip(plan.groups, layouts, strict=True)
+        for unit in layout.units
+        if group.unit_blocks[unit.index] is None
+    )
+
+
+def _block_numels(plan: ShardingPlan, layouts: list[FlatLayout]) -> tuple[int, list[int]]:
+    """Stage 3: the root block's gathered elements, and every other block's in forward order (the
+    scheduler's `ordered`: blocks with units), as the scheduler sums them (padded units)."""
+    numels = [0] * len(plan.blocks)
+    for group, layout in zip(plan.groups, layouts, strict=True):
+        for unit in layout.units:
+            block = group.unit_blocks[unit.index]
+            if block is not None:
+                numels[block] += unit.numel
+    root = numels[-1]
+    return root, [n for n, block in zip(numels, plan.blocks, strict=True) if not block.is_root and n > 0]
+
+
+def _peak_gathered(root: int, blocks: list[int], zero: ZeroConfig) -> tuple[int, bool]:
+    """The most elements gathered at once over a forward then a backward, replaying the scheduler:
+    each block gathered when it runs, prefetching along the way, released after its forward
+    (`reshard_after_forward`) and after its backward. Also whether anything was prefetched."""
+    gathered = [False] * len(blocks)
+    peak, prefetched = root, False
+
+    def run(position: int, step: int, release: bool) -> None:
+        nonlocal peak, prefetched
+        gathered[position] = True
+        live = root + sum(n for n, g in zip(blocks, gathered, strict=True) if g)
+        chosen = blocks_to_prefetch(
+            blocks,
+            gathered,
+            position,
+            step,
+            live=live,
+            budget=zero.prefetch_bucket_size,
+            max_live=zero.max_live_parameters,
+        )
+        for index in chosen:
+            gathered[index] = True
+        prefetched = prefetched or bool(chosen)
+        peak = max(peak, live + sum(blocks[i] for i in chosen))
+        if release:
+            gathered[position] = False
+
+    for position in range(len(blocks)):
+        run(position, 1, release=zero.reshard_after_forward)
+    for position in reversed(range(len(blocks))):
+        run(position, -1, release=True)
+    return peak, prefetched
+
+
+def _peak_buckets(unit_numels: list[int], zero: ZeroConfig) -> int:
+    """Stages 2-3: the most bucket elements alive at once, whatever order the units' gradients complete
+    in (that follows autograd, not the layout). The reducer fills a new bucket while earlier ones are in
+    flight, then completes the oldest until at most the cap remain, or one bucket: so before a new
+    bucket of at most the largest unit L, at most max(cap, L) are in flight."""
+    largest = max(unit_numels)
+    cap = BUCKETS_IN_FLIGHT * zero.reduce_bucket_size
+    return min(sum(unit_numels), max(cap, largest) + largest)
+
+
+def format_plans(plans: list[RankMemoryPlan], device_memory: int | None = None) -> str:
+    """A plain-text table of plans, one per line, sizes in decimal GB (10^9 bytes)."""
+    columns = ("ranks", "params", "grads", "master", "optim", "gathered", "full grads", "buckets", "activ.")
+    columns += ("device", "host", "prefetch")
+    if device_memory:
+        columns += (f"fits {device_memory / GB:.0f} GB",)
+    rows = [columns]
+    for plan in plans:
+        states = (plan.params, plan.grads, plan.master, plan.optimizer_state)
+        transients = (plan.gathered, plan.full_grads, plan.buckets, plan.activations)
+        sizes = (*states, *transients, plan.device, plan.host)
+        row = (str(plan.world_size), *(f"{size / GB:.2f}" for size in sizes))
+        row += ("yes" if plan.prefetches else ("no" if plan.stage == 3 else "-"),)
+        if device_memory:
+            row += ("yes" if plan.device <= device_memory else "NO",)
+        rows.append(row)
+    widths = [max(len(row[k]) for row in rows) for k in range(len(columns))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
