@@ -1,12 +1,14 @@
 """Fused model kernels in Triton, each next to the plain-PyTorch reference it must equal.
 
 - `layer_norm`: one program per row walking it in column blocks of at most COLUMN_BLOCK lanes
-  (registers do not grow with the width), statistics in fp32, output in the input's dtype; backward
-  computes the input gradient per row, and the weight / bias gradients as column sums in fp32
-  registers over groups of rows, whose few partial rows torch adds up.
+  (registers do not grow with the width), statistics in fp32, output in the input's dtype, or under
+  autocast in the dtype torch's `F.layer_norm` returns there (see [Note: LayerNorm under autocast]);
+  backward computes the input gradient per row, and the weight / bias gradients as column sums in
+  fp32 registers over groups of rows, whose few partial rows torch adds up.
 - `bias_gelu`: GeLU (tanh approximation, `gelu_new`) of `x + bias` in one elementwise pass, keeping
   only `x` for backward (as the unfused pair keeps the linear's output); backward writes dx in its
-  dtype and sums the bias gradient the same way (no fp32 copy of dx).
+  dtype and sums the bias gradient the same way (no fp32 copy of dx). Output in x's dtype, also
+  under autocast (see the Note).
 - `linear_cross_entropy`: the LM head and its loss over row chunks. A chunk's logits (chunk x vocab,
   in the compute dtype) are made, a Triton kernel turns each row into its loss and, in place, its
   logit gradient (online softmax over vocabulary blocks), and the chunk's input and weight gradients
@@ -290,11 +292,11 @@ def _row_groups(rows: int, column_blocks: int, device: torch.device) -> int:
 # ---------------------------------------------------------------------------- LayerNorm
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
+    def forward(ctx, x, weight, bias, eps, out_dtype):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
         rows, cols = x2.shape
-        y = torch.empty_like(x2)
+        y = torch.empty_like(x2, dtype=out_dtype)
         mean = torch.empty(rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         block = _column_block(cols)
@@ -325,7 +327,41 @@ class _LayerNorm(torch.autograd.Function):
             )
         dweight = partial_dw.sum(0).to(weight.dtype)
         dbias = partial_db.sum(0).to(weight.dtype)
-        return dx.reshape(ctx.shape), dweight, dbias, None
+        return dx.reshape(ctx.shape), dweight, dbias, None, None
+
+
+# [Note: LayerNorm under autocast]
+# Autocast runs some ops in fp32 whatever their inputs, and which ones depends on the device type:
+# CUDA's list has layer_norm (ATen/autocast_mode.h, AT_FORALL_FP32: a bf16 input gives an fp32
+# output), CPU's does not (torch 2.x keeps the input's dtype). A custom autograd Function is not cast
+# by autocast, so the fused LayerNorm asks torch instead: it runs `F.layer_norm` on empty inputs of
+# the same dtypes and device type, under the caller's autocast, once per combination, and writes its
+# output in that dtype. The kernel computes in fp32 either way, so fused and unfused agree in dtype
+# and values. bias_gelu keeps x's dtype: autocast does not list gelu, and though transformers' gelu_new
+# calls torch.pow (on CUDA's fp32 list, so unfused it returns fp32 there), its one consumer, fc_out's
+# linear under autocast, rounds it to the autocast dtype first, as the kernel's store does.
+def _layer_norm_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.dtype:
+    """The dtype `F.layer_norm` returns for these inputs (see [Note: LayerNorm under autocast])."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return x.dtype
+    return _autocast_layer_norm_dtype(
+        device_type, x.dtype, weight.dtype, bias.dtype, torch.get_autocast_dtype(device_type)
+    )
+
+
+@functools.cache
+def _autocast_layer_norm_dtype(device_type, x_dtype, weight_dtype, bias_dtype, autocast_dtype) -> torch.dtype:
+    """Asked of torch under the caller's autocast (`autocast_dtype` keys the cache only)."""
+    try:
+        return F.layer_norm(
+            torch.empty(0, 1, dtype=x_dtype, device=device_type),
+            (1,),
+            torch.empty(1, dtype=weight_dtype, device=device_type),
+            torch.empty(1, dtype=bias_dtype, device=device_type),
+        ).dtype
+    except RuntimeError:  # dtypes torch's kernel does not mix (the Triton one does): the input's
+        return x_dtype
 
 
 def layer_norm(x, weight, bias, eps, choice: str = "triton"):
@@ -333,7 +369,7 @@ def layer_norm(x, weight, bias, eps, choice: str = "triton"):
     if not use_triton(choice, x):
         return layer_norm_reference(x, weight, bias, eps)
     with _on_device(x):
-        return _LayerNorm.apply(x, weight, bias, eps)
+        return _LayerNorm.apply(x, weight, bias, eps, _layer_norm_dtype(x, weight, bias))
 
 
 # ---------------------------------------------------------------------------- bias + GeLU

@@ -60,10 +60,12 @@ class ZeroConfig:
         it may run on, divided by LOCAL_WORLD_SIZE); the environment variable
         TNLG_CPU_ADAM_THREADS sets the count instead.
     offload_param: `cpu` keeps the partitioned 16-bit parameters in CPU memory (stage 3).
-    fused_adam: how a torch Adam / AdamW steps the device shards (offloaded ones always use
-        `CPUAdam`): `auto` runs the fused kernel on CUDA (the CUDA extension, else Triton) and torch's
+    fused_adam: how a torch Adam / AdamW steps the device shards. With `offload_optimizer` the step
+        runs `CPUAdam` on the host: `auto` and `none` then resolve no device kernel (no CUDA extension
+        is built), and a forced kernel is an error. Otherwise `auto` runs the fused kernel on CUDA (the CUDA extension, else Triton) and torch's
         own step elsewhere; `cuda`, `triton` or `reference` force that kernel (Triton on CPU tensors
-        needs TRITON_INTERPRET=1); `none` always runs the user's optimizer. The kernel is chosen,
+        needs TRITON_INTERPRET=1; forcing one for an optimizer it cannot step, e.g. SGD, is an
+        error); `none` always runs the user's optimizer. The kernel is chosen,
         and the CUDA extension built, when the engine is initialized: a kernel that cannot run on
         the engine's device is an error there, not in the first step.
     """
@@ -97,6 +99,12 @@ class ZeroConfig:
         if self.offload_optimizer != "none" and self.stage == 0:
             raise ValueError(
                 "ZeroConfig.offload_optimizer needs stage 1, 2 or 3 (stage 0 partitions nothing)"
+            )
+        if self.offload_optimizer != "none" and self.fused_adam not in ("auto", "none"):
+            raise ValueError(
+                f"ZeroConfig.fused_adam={self.fused_adam!r} forces a device Adam kernel, but offload_optimizer="
+                f"{self.offload_optimizer!r} steps the optimizer on the host (CPUAdam), where no device kernel "
+                "runs; use fused_adam='auto' or 'none'"
             )
         if self.offload_param != "none" and self.stage != 3:
             raise ValueError(

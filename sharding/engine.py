@@ -34,7 +34,7 @@ from .deepspeed import (
 from .flat_group import FlatGroup
 from .grads import GradientReducer
 from .init import materialize
-from .kernels.fused_adam import ready_backend
+from .kernels.fused_adam import ready_backend, steps_like_adam
 from .loss_scaler import LossScaler
 from .offload import Placement
 from .optimizer import ShardedOptimizer
@@ -426,7 +426,9 @@ class ZeroEngine(nn.Module):
             self.config.gradient_clipping,
             sharded=self.config.stage >= 1,
             offloaded=placement.optimizer_on_host,
-            fused_adam=_fused_adam_backend(self.config.fused_adam, placement.device),
+            fused_adam=_fused_adam_backend(
+                self.config.fused_adam, placement.device, placement.optimizer_on_host, optimizer
+            ),
         )
 
     def _gradient_reducer(self) -> GradientReducer:
@@ -516,11 +518,25 @@ def _pretrained_source(
     return pretrained if isinstance(pretrained, PretrainedSource) else PretrainedSource(str(pretrained))
 
 
-def _fused_adam_backend(choice: str, device: torch.device) -> str:
+def _fused_adam_backend(
+    choice: str, device: torch.device, offloaded: bool, optimizer: torch.optim.Optimizer
+) -> str:
     """`ZeroConfig.fused_adam` for this device: "auto" means the fused kernels on CUDA only (on CPU,
     torch's own fused Adam is faster than the reference and Triton has no CPU backend). The kernel is
     resolved and checked now (`ready_backend`: the CUDA extension built, a kernel that cannot run on
-    `device` named), so that nothing of the kind surfaces inside the first step."""
+    `device` named), so that nothing of the kind surfaces inside the first step.
+
+    With the optimizer offloaded the step runs on the host (`CPUAdam`) and no device kernel runs:
+    nothing to resolve or build (ZeroConfig refuses a forced kernel with offload). A forced kernel for an
+    optimizer it cannot step (not a plain torch Adam / AdamW) would not be applied: an error too."""
+    if offloaded:
+        return "none"
+    if choice not in ("auto", "none") and not steps_like_adam(optimizer):
+        raise ValueError(
+            f"ZeroConfig.fused_adam={choice!r} forces a fused Adam kernel, but {type(optimizer).__name__} is not a "
+            "torch Adam / AdamW it can step (maximize, differentiable and tensor hyperparameters excluded); use "
+            "fused_adam='auto' or 'none'"
+        )
     if choice == "none" or (choice == "auto" and device.type != "cuda"):
         return "none"
     return ready_backend(choice, device)

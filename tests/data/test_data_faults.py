@@ -133,6 +133,7 @@ def test_prepare_data_refuses_a_damaged_input_and_writes_nothing(damaged, tmp_pa
 
 
 def test_a_damaged_parquet_file_is_named_by_both_readers(tmp_path):
+    pytest.importorskip("datasets", reason="needs the datasets package")  # both read parquet through it
     pd = pytest.importorskip("pandas")  # not at module level: the GPU image may lack it
     pd.DataFrame({"text": [f"row {i} " * 20 for i in range(200)]}).to_parquet(tmp_path / "whole.parquet")
     data = (tmp_path / "whole.parquet").read_bytes()
@@ -148,6 +149,7 @@ def test_a_damaged_parquet_file_is_named_by_both_readers(tmp_path):
     "name", ["zst-cut-mid-frame.jsonl.zst", "gz-cut-half.jsonl.gz", "zst-empty.jsonl.zst"]
 )
 def test_fine_tuning_files_that_are_damaged_are_refused(damaged, tmp_path, name):
+    pytest.importorskip("datasets", reason="needs the datasets package")  # load_rows reads through it
     path = tmp_path / name
     path.write_bytes(damaged_files(jsonl_bytes(3000, field="document"))[name])
     with pytest.raises(DamagedFileError, match=rf"{name} is damaged"):
@@ -188,6 +190,7 @@ BAD_VALUES = [
 def test_a_null_or_non_text_field_stops_naming_file_and_row_or_is_skipped_and_counted(
     tmp_path, tokenizer, caplog, field, value, message, reason
 ):
+    pytest.importorskip("datasets", reason="needs the datasets package")  # load_rows reads through it
     rows = [{"document": f"document {i}", "summary": f"summary {i}"} for i in range(4)]
     rows[2][field] = value
     path = write_rows(tmp_path / "train.jsonl", rows)
@@ -203,6 +206,7 @@ def test_a_null_or_non_text_field_stops_naming_file_and_row_or_is_skipped_and_co
 
 
 def test_rows_of_several_files_are_named_by_their_own_file(tmp_path, tokenizer):
+    pytest.importorskip("datasets", reason="needs the datasets package")  # load_rows reads through it
     good = [{"document": "d", "summary": "s"}] * 3
     first = write_rows(tmp_path / "a.jsonl", good)
     second = write_rows(tmp_path / "b.jsonl", [*good[:1], {"document": "d", "summary": None}])
@@ -233,6 +237,7 @@ def test_question_answering_fields_are_checked_too(tokenizer):
 
 
 def test_csv_cells_are_read_as_the_text_written(tmp_path, tokenizer):
+    pytest.importorskip("datasets", reason="needs the datasets package")  # load_rows reads through it
     pd = pytest.importorskip("pandas")
     path = tmp_path / "train.csv"
     pd.DataFrame({"document": ["agent", "power", "blank"], "summary": ["007", "1e3", None]}).to_csv(
@@ -258,6 +263,7 @@ def test_csv_cells_are_read_as_the_text_written(tmp_path, tokenizer):
     ],
 )
 def test_an_empty_fine_tuning_file_is_refused_by_name(tmp_path, name, content, message):
+    pytest.importorskip("datasets", reason="needs the datasets package")  # load_rows reads through it
     path = tmp_path / name
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(ValueError, match=rf"{path} {message}"):
@@ -318,6 +324,7 @@ def test_existing_paths_are_literal_and_only_missing_ones_are_globs(bracketed):
 
 
 def test_a_bracketed_directory_is_read_by_every_reader(bracketed):
+    pytest.importorskip("datasets", reason="needs the datasets package")  # load_rows reads through it
     for pattern in (bracketed / "train.jsonl", bracketed / "*.jsonl"):
         reader = DocumentReader(SourceConfig(name="r", paths=(str(pattern),), text_field="document"))
         assert len(list(reader.first_epoch_texts())) == 3

@@ -46,6 +46,7 @@ def write(path, rows, kind):
 
 @pytest.mark.parametrize("kind", ["jsonl", "json", "csv", "parquet"])
 def test_local_files_of_every_format_load_through_the_column_mapping(tmp_path, tokenizer, kind):
+    pytest.importorskip("datasets", reason="needs the datasets package")  # load_rows reads through it
     path = write(tmp_path / f"train.{kind}", ROWS, kind)
     rows = load_rows(None, [str(path)], "train")
     examples = encode_rows(rows, CNN_DM, tokenizer)
@@ -60,6 +61,7 @@ def test_local_files_of_every_format_load_through_the_column_mapping(tmp_path, t
 def test_validation_files_are_read_whatever_the_training_set(tmp_path):
     """The default training set is embedded; validation files given with it are still the files (not
     the embedded set's rows, which an embedded dataset name would otherwise select)."""
+    pytest.importorskip("datasets", reason="needs the datasets package")  # validation_rows reads through it
     from tnlg.run.finetune_config import FinetuneDataSection
 
     held_out = write(tmp_path / "held_out.jsonl", ROWS[:3], "jsonl")

@@ -66,6 +66,7 @@ def test_an_empty_text_is_refused_naming_the_file(tmp_path, debug_model, tokeniz
 
 
 def test_null_or_non_text_rows_of_a_data_file_are_named(tmp_path, debug_model, tokenizer):
+    pytest.importorskip("datasets", reason="needs the datasets package")  # a data file is read through it
     path = tmp_path / "passages.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["one two three", None, "four five"]))
     with pytest.raises(ValueError, match=rf"{path} row 1: 'text' is null, not text"):

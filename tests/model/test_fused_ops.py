@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.activations import ACT2FN
 
 from tnlg import TNLGConfig, TNLGForCausalLM
 from tnlg.modeling import fused_ops
@@ -204,3 +205,84 @@ def test_chunked_cross_entropy_under_autocast():
     assert loss.item() == pytest.approx(expected.item(), rel=1e-3)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.float32 and relative_error(g, w) <= 2e-2
+
+
+# ---------------------------------------------------------------------------- under autocast
+@pytest.fixture(params=["device", "fp32"])
+def layer_norm_policy(request, monkeypatch):
+    """Autocast's policy for layer_norm: the device's own ("device": on CPU the input's dtype, on CUDA
+    fp32), or CUDA's fp32 one emulated on any device ("fp32": torch's layer_norm upcasting its inputs
+    under autocast, as AutocastCUDA does), so that a CPU-only run checks it too. The fused LayerNorm's
+    cached answers from torch (see [Note: LayerNorm under autocast]) are forgotten before and after."""
+    if request.param == "fp32":
+        torch_layer_norm = torch.nn.functional.layer_norm
+
+        def fp32_layer_norm(x, shape, weight=None, bias=None, eps=1e-5):
+            if not torch.is_autocast_enabled(x.device.type):
+                return torch_layer_norm(x, shape, weight, bias, eps)
+            upcast = [None if t is None else t.float() for t in (x, weight, bias)]
+            with torch.autocast(x.device.type, enabled=False):
+                return torch_layer_norm(upcast[0], shape, upcast[1], upcast[2], eps)
+
+        monkeypatch.setattr(torch.nn.functional, "layer_norm", fp32_layer_norm)
+    fused_ops._autocast_layer_norm_dtype.cache_clear()
+    yield request.param
+    fused_ops._autocast_layer_norm_dtype.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_under_autocast_returns_what_torch_returns(layer_norm_policy, dtype):
+    """The fused LayerNorm gives the dtype and values torch's gives under autocast, forward and backward."""
+    generator = torch.Generator().manual_seed(7)
+    x = (torch.randn(6, 100, generator=generator) * 2 + 1).to(DEVICE, dtype).requires_grad_()
+    weight, bias = leaves(torch.randn(100, generator=generator), torch.randn(100, generator=generator))
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y = fused_ops.layer_norm(x, weight, bias, 1e-5, "triton")
+        expected = fused_ops.layer_norm_reference(x, weight, bias, 1e-5)
+    if layer_norm_policy == "fp32" or DEVICE == "cuda":
+        assert expected.dtype == torch.float32  # the policy under test is the one in force
+    assert y.dtype == expected.dtype and relative_error(y, expected) <= TOLERANCE[expected.dtype]
+    got, want = gradients(y, [x, weight, bias]), gradients(expected, [x, weight, bias])
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and relative_error(g, w) <= TOLERANCE[dtype]
+
+
+def test_model_under_autocast_gives_the_same_outputs_with_fused_kernels(layer_norm_policy):
+    """A bf16 model under bf16 autocast (LayerNorm inputs in bf16): every hidden state and the logits
+    have the same dtype and values with fused_kernels "triton" as with "none"."""
+    torch.manual_seed(0)
+    plain = TNLGForCausalLM(TNLGConfig.from_preset("debug", fused_kernels="none")).to(DEVICE, torch.bfloat16)
+    fused = TNLGForCausalLM(TNLGConfig.from_preset("debug", fused_kernels="triton")).to(
+        DEVICE, torch.bfloat16
+    )
+    fused.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, 512, (2, 16), device=DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16), torch.no_grad():
+        plain_out = plain(input_ids=ids, output_hidden_states=True)
+        fused_out = fused(input_ids=ids, output_hidden_states=True)
+    for got, want in zip(
+        [*fused_out.hidden_states, fused_out.logits],
+        [*plain_out.hidden_states, plain_out.logits],
+        strict=True,
+    ):
+        assert got.dtype == want.dtype and relative_error(got, want) <= 2e-2
+
+
+def test_bias_gelu_under_autocast_keeps_the_dtype_of_the_unfused_mlp():
+    """Autocast lists no GeLU: on CPU the unfused MLP's gelu_new(fc_in(h)) stays in the autocast dtype,
+    and so does the fused bias_gelu of the same product (on CUDA gelu_new's torch.pow is upcast, but
+    fc_out rounds it back first: see [Note: LayerNorm under autocast])."""
+    generator = torch.Generator().manual_seed(9)
+    hidden, weight, bias = leaves(
+        torch.randn(6, 32, generator=generator),
+        torch.randn(96, 32, generator=generator),
+        torch.randn(96, generator=generator),
+    )
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        product = torch.nn.functional.linear(hidden, weight)
+        y = fused_ops.bias_gelu(product, bias, "triton")
+        unfused = ACT2FN["gelu_new"](torch.nn.functional.linear(hidden, weight, bias))
+    assert y.dtype == product.dtype == torch.bfloat16
+    if DEVICE == "cpu":
+        assert unfused.dtype == y.dtype
+    assert relative_error(y, unfused) <= 2e-2

@@ -3,13 +3,19 @@ with LoRA, and a stopped run resumes with the same losses."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
 from tests.support.finetune_cases import run_finetune, save_base_model, write_questions, write_summaries
 from tnlg.tools.spawn import run_distributed
 
-pytestmark = pytest.mark.slow  # every test here launches processes (see pyproject's markers)
+pytestmark = [
+    pytest.mark.slow,  # every test here launches processes (see pyproject's markers)
+    # a mark, so that no base model is built for nothing: fine-tuning reads its data through datasets
+    pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="needs the datasets package"),
+]
 
 COMMON = [
     "--optimizer.lr", "3e-3", "--optimizer.warmup_steps", "2", "--optimizer.weight_decay", "0.0",

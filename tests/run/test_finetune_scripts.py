@@ -4,6 +4,7 @@ sharded at ZeRO stage 3, on 2 processes with the same results, written next to t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,7 +16,11 @@ import pytest
 from tests.support import REPO
 from tests.support.finetune_cases import save_base_model, write_summaries
 
-pytestmark = pytest.mark.slow  # every test here launches processes (see pyproject's markers)
+pytestmark = [
+    pytest.mark.slow,  # every test here launches processes (see pyproject's markers)
+    # a mark, so that no base model is built for nothing: both scripts read their data through datasets
+    pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="needs the datasets package"),
+]
 
 SPREAD = {1: ["--cpu", "--num_processes", "1"], 2: ["--multi_gpu", "--num_processes", "2"]}
 

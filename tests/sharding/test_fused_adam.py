@@ -10,6 +10,7 @@ unset and the CUDA cases test the compiled kernel."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 
@@ -20,6 +21,7 @@ from tests.sharding.test_zero_equivalence import assert_states_close
 from tests.support.offload_cases import fused_adam_matrix
 from tests.support.zero_models import make_model, make_optimizer
 from tnlg.sharding import ZeroConfig, initialize
+from tnlg.sharding import engine as engine_module
 from tnlg.sharding.kernels.build import ToolchainMissing
 from tnlg.sharding.kernels.cuda_adam import KERNEL_SOURCE, require_cuda_extension
 from tnlg.sharding.kernels.fused_adam import (
@@ -174,6 +176,44 @@ def test_the_engine_refuses_the_cuda_kernel_on_cpu_when_initialized():
     model = make_model()
     with pytest.raises(ValueError, match="CUDA fused Adam kernel needs CUDA tensors"):
         initialize(model, make_optimizer(model), ZeroConfig(stage=1, fused_adam="cuda"))
+
+
+def test_an_offloaded_optimizer_resolves_no_device_kernel_even_on_cuda(monkeypatch):
+    """ "auto" on a CUDA device with the optimizer offloaded: the step runs CPUAdam on the host, so no
+    device kernel is resolved and the CUDA extension is not built (nvcc may be absent). The device is
+    made to look like CUDA to the optimizer's setup only; `ready_backend` records what it is asked."""
+    asked = []
+    monkeypatch.setattr(engine_module, "ready_backend", lambda *args: asked.append(args) or "cuda")
+    build_optimizer = engine_module.ZeroEngine._sharded_optimizer
+
+    def on_cuda(self, optimizer, placement):
+        return build_optimizer(
+            self, optimizer, dataclasses.replace(placement, device=torch.device("cuda", 0))
+        )
+
+    monkeypatch.setattr(engine_module.ZeroEngine, "_sharded_optimizer", on_cuda)
+    model = make_model()
+    config = ZeroConfig(stage=2, offload_optimizer="cpu", fused_adam="auto")
+    engine = initialize(model, make_optimizer(model), config)
+    assert asked == []
+    assert engine.optimizer.fused_backend is None
+    assert engine.optimizer.host_adam is not None  # the offloaded step: CPUAdam
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton", "reference"])
+def test_a_forced_kernel_with_an_offloaded_optimizer_is_refused(triton_interpreter, backend):
+    """A forced device kernel would not be applied to an offloaded step: an error, not silence, when
+    the config is made (the same on every rank, before any engine work)."""
+    with pytest.raises(ValueError, match=f"fused_adam='{backend}'.*offload_optimizer='cpu'"):
+        ZeroConfig(stage=1, offload_optimizer="cpu", fused_adam=backend)
+
+
+def test_a_forced_kernel_for_an_optimizer_it_cannot_step_is_refused():
+    model = make_model()
+    with pytest.raises(
+        ValueError, match=r"fused_adam='reference' forces a fused Adam kernel, but SGD is not"
+    ):
+        initialize(model, make_optimizer(model, "sgd"), ZeroConfig(stage=1, fused_adam="reference"))
 
 
 def test_fused_adam_validates_its_inputs_and_picks_the_reference_on_cpu():
