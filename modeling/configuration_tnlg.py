@@ -100,6 +100,18 @@ class TNLGConfig(PreTrainedConfig):
 
     model_type = "tnlg"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # Megatron tensor slicing, declared the Transformers way (read by `from_pretrained(tp_plan="auto")`
+    # and by tnlg's own `tnlg.modeling.tensor_parallel.apply_tensor_parallel`). Keys are module names of
+    # `TNLGModel`; `*` stands for a layer index only. The fused QKV is cut per head inside each of its
+    # [q | k | v] blocks ("packed_colwise_qkv", registered by tensor_parallel.py); the token embedding is
+    # cut by vocabulary rows. A class attribute: never saved in config.json.
+    base_model_tp_plan = {
+        "embed_tokens": "embedding_rowwise",
+        "layers.*.self_attn.qkv_proj": "packed_colwise_qkv",
+        "layers.*.self_attn.out_proj": "rowwise",
+        "layers.*.mlp.fc_in": "colwise",
+        "layers.*.mlp.fc_out": "rowwise",
+    }
 
     vocab_size: int = PADDED_GPT2_VOCAB_SIZE
     max_position_embeddings: int = 2048
@@ -178,6 +190,29 @@ class TNLGConfig(PreTrainedConfig):
                     f"TNLGConfig.{name} {value!r} is outside the vocabulary [0, {self.vocab_size}); set it to an id "
                     "below vocab_size or None"
                 )
+
+    def check_tensor_parallel(self, degree: int) -> None:
+        """Raise `ValueError` unless tensor slicing of `degree` cuts whole heads, MLP columns and
+        vocabulary rows; the message lists the degrees that work."""
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree <= 0:
+            raise ValueError(f"tensor-parallel degree must be a positive integer, got {degree!r}")
+        heads = self.num_attention_heads
+        if heads % degree:
+            valid = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+            raise ValueError(
+                f"tensor-parallel degree {degree} does not divide num_attention_heads ({heads}): "
+                f"valid degrees are {valid}"
+            )
+        if self.intermediate_size % degree:
+            raise ValueError(
+                f"tensor-parallel degree {degree} does not divide intermediate_size ({self.intermediate_size})"
+            )
+        if self.vocab_size % degree:
+            padded = -(-self.vocab_size // (128 * degree)) * 128 * degree
+            raise ValueError(
+                f"tensor-parallel degree {degree} does not divide vocab_size ({self.vocab_size}): pad the "
+                f"vocabulary to a multiple of {degree} (Megatron pads to a multiple of 128 x degree: {padded})"
+            )
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> TNLGConfig:

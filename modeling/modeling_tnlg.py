@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from . import fused_ops
+from . import fused_ops, tensor_parallel
 from .configuration_tnlg import TNLGConfig
 from .loading import (
     check_weight_files,
@@ -120,7 +121,8 @@ class TNLGAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, _ = hidden_states.shape
         qkv = self.qkv_proj(hidden_states)  # (B, T, 3H)
-        qkv = qkv.view(batch, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        # -1, not num_heads: under tensor slicing this rank holds nh / t heads of each of q, k, v.
+        qkv = qkv.view(batch, length, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
         query, key, value = qkv.unbind(0)  # each (B, nh, T, hd)
 
         if past_key_values is not None:
@@ -129,16 +131,13 @@ class TNLGAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        output, weights = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.config.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            **kwargs,
-        )
+        dropout = self.config.attention_dropout if self.training else 0.0
+        # Under tensor slicing this rank's heads drop out with masks of their own (tensor_parallel.py).
+        sliced = dropout > 0 and tensor_parallel.tensor_group(self.qkv_proj) is not None
+        with tensor_parallel.sliced_region_rng(self.qkv_proj, query.device) if sliced else nullcontext():
+            output, weights = attention_interface(
+                self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
+            )
         output = output.reshape(batch, length, -1).contiguous()  # (B, T, H)
         return self.resid_dropout(self.out_proj(output)), weights
 
@@ -250,6 +249,8 @@ class TNLGPreTrainedModel(PreTrainedModel):
         directory = _local_directory(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
         if directory is not None and state_dict is None:  # given a state_dict, no weight file is read
             check_weight_files(directory, weight_files(directory, variant), verify=verify_checksums)
+        if kwargs.get("tp_plan") is not None:
+            _check_tensor_parallel_load(pretrained_model_name_or_path, kwargs)
         if strict:
             # Let Transformers finish loading so that its report of mis-shaped tensors reaches us;
             # its own error for them names none of the tensors.
@@ -311,6 +312,25 @@ class TNLGPreTrainedModel(PreTrainedModel):
             init.zeros_(module.bias)
 
 
+def _check_tensor_parallel_load(path: str | os.PathLike | None, kwargs: dict[str, Any]) -> None:
+    """Transformers cuts heads unevenly without a word: refuse a degree that does not divide them."""
+    degree = kwargs.get("tp_size")
+    if degree is None and getattr(kwargs.get("distributed_config"), "tp_size", None) is not None:
+        degree = kwargs["distributed_config"].tp_size
+    if degree is None:
+        import torch.distributed as dist
+
+        degree = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    config = kwargs.get("config")
+    if not isinstance(config, TNLGConfig):
+        config = TNLGConfig.from_pretrained(path, subfolder=kwargs.get("subfolder") or "")
+    config.check_tensor_parallel(degree)
+
+
+def _has_dropout(config: TNLGConfig) -> bool:
+    return any((config.embedding_dropout, config.attention_dropout, config.hidden_dropout))
+
+
 def _local_directory(path: str | os.PathLike | None, subfolder: str) -> Path | None:
     """The local directory `from_pretrained` reads, or None for a Hub id or no path."""
     if path is None:
@@ -353,6 +373,10 @@ class TNLGModel(TNLGPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("TNLGModel.forward needs exactly one of input_ids or inputs_embeds")
+        tp_group = tensor_parallel.tensor_group(self.embed_tokens)
+        if self.training and tp_group is not None and _has_dropout(self.config):
+            # [Note: dropout under tensor slicing] in tensor_parallel.py
+            tensor_parallel.check_rng_in_sync(self.embed_tokens, self.embed_tokens.weight.device)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         length = inputs_embeds.shape[1]
@@ -426,6 +450,9 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
     """TNLGModel plus the output layer (tied to the token embedding by default) and the LM loss."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Tensor slicing of the head (with config.base_model_tp_plan): cut by vocabulary rows, like the
+    # embedding it is tied to; called as a module it returns the full, gathered logits.
+    _tp_plan = {"lm_head": "colwise_gather_output"}
 
     def __init__(self, config: TNLGConfig):
         super().__init__(config)
@@ -471,6 +498,19 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
                 "labels need the logits of every position: do not combine them with logits_to_keep"
             )
         hidden_states = outputs.last_hidden_state
+        if labels is not None and tensor_parallel.tensor_group(self.lm_head) is not None:
+            # Cut by tnlg's apply_tensor_parallel: a vocabulary-parallel loss on local logits (B, T, V/t),
+            # never gathered, so no logits are returned (as with the fused loss below).
+            loss = tensor_parallel.vocab_parallel_causal_lm_loss(
+                self.lm_head, hidden_states, labels,
+                num_items_in_batch=kwargs.get("num_items_in_batch"), shift_labels=kwargs.get("shift_labels"),
+            )  # fmt: skip
+            return CausalLMOutputWithPast(
+                loss=loss,
+                past_key_values=outputs.past_key_values,
+                hidden_states=outputs.hidden_states,
+                attentions=outputs.attentions,
+            )
         if (
             labels is not None
             and fused_ops.use_triton(self.config.fused_kernels, hidden_states)
@@ -490,6 +530,7 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
                 attentions=outputs.attentions,
             )
         # Generation needs only the last position's logits: skip the (B, T, V) matmul for the rest.
+        # A head cut for tensor slicing gathers its logits over the vocabulary: full (B, T', V).
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])  # (B, T', V)
 

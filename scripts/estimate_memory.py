@@ -58,6 +58,7 @@ RUN_DECIDES = {
     "seq_len": None,
     "no_activation_checkpointing": False,
     "offload_activations": False,
+    "tensor_parallel": 1,
 }
 
 
@@ -117,6 +118,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="(run) keep the checkpointed blocks' inputs in host memory",
     )
     parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        help="(run) tensor slicing degree; ZeRO shards over world / t; default 1",
+    )
+    parser.add_argument(
         "--device-memory",
         type=_memory_size,
         help="e.g. 80GB or 80GiB: also print the smallest power-of-two world size per stage that fits",
@@ -139,6 +145,7 @@ def studies_from_flags(args: argparse.Namespace) -> list[Study]:
         "seq_len": args.seq_len,
         "activation_checkpointing": not args.no_activation_checkpointing,
         "offload_activations": args.offload_activations,
+        "tensor_parallel": args.tensor_parallel,
     }
     return [
         Study(preset, TNLGConfig.from_preset(preset), args.stages, options, args.offload, args.offload)
@@ -160,6 +167,7 @@ def study_from_run_config(path: str, optimizer: str) -> Study:
         "activation_checkpointing": section.activation_checkpointing.enabled,
         "offload_activations": section.activation_checkpointing.cpu_offload,
         "param_persistence_threshold": zero.param_persistence_threshold,
+        "tensor_parallel": run.parallel.tensor,
     }
     return Study(
         f"{path} ({section.init_from or section.preset})",
@@ -186,8 +194,9 @@ def print_study(study: Study, world_sizes: list[int], device_memory: int | None)
     print(f"{study.name}: {config.describe()}")
     print(
         f"{options['mixed_precision']}, {options['optimizer']}, micro batch {options['micro_batch_size']} x "
-        f"{seq_len} tokens, activation checkpointing {checkpointing}; "
-        "GB per rank"
+        f"{seq_len} tokens, activation checkpointing {checkpointing}"
+        + (f", tensor slicing {options['tensor_parallel']}" if options["tensor_parallel"] > 1 else "")
+        + "; GB per rank"
     )
     print(format_table(rows))
     if device_memory:
@@ -217,6 +226,7 @@ def print_plan(study: Study, estimates: list[MemoryEstimate], device_memory: int
             optimizer_kind=study.options["optimizer"],
             activations=estimate.activations,
             offloaded_activations=estimate.offloaded_activations,
+            tensor_parallel=study.options["tensor_parallel"],
         )
         for estimate in estimates
     ]

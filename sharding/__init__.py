@@ -22,12 +22,14 @@ from .deepspeed import (
 )
 from .engine import ZeroEngine, initialize
 from .init import init_weights, materialize
+from .parallel import ParallelDims
 from .pretrained import PretrainedSource, SafetensorsCheckpoint, meta_from_pretrained, set_pretrained_source
 
 __all__ = [
     "CommStats",
     "DeepSpeedConfig",
     "OptimizerSpec",
+    "ParallelDims",
     "PretrainedSource",
     "SafetensorsCheckpoint",
     "SchedulerSpec",

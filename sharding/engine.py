@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +37,12 @@ from .init import materialize
 from .kernels.fused_adam import ready_backend, steps_like_adam
 from .loss_scaler import LossScaler
 from .offload import Placement
-from .optimizer import ShardedOptimizer
+from .optimizer import ShardedOptimizer, TensorParallelNorm
+from .parallel import ParallelDims, apply_model_plan, gather_tensor_slices, parallel_groups
 from .params import ParameterScheduler
 from .plan import ShardingPlan, plan_sharding
 from .pretrained import SOURCE_ATTRIBUTE, PretrainedSource, load_pretrained
+from .schedule import train_batch
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +79,17 @@ class ZeroEngine(nn.Module):
         device: torch.device | str | None = None,
         init_seed: int = 0,
         pretrained: PretrainedSource | str | Path | None = None,
+        parallel: ParallelDims | None = None,
     ):
         super().__init__()
         settings = engine_settings(config)  # a DeepSpeed config's training part too (deepspeed.py)
         self.config = settings.zero
+        # Tensor slicing is applied first, so that the engine shards each rank's slices, over the data
+        # group only (see [Note: parallel layout] in parallel.py).
+        self.parallel = parallel_groups(parallel, process_group)
+        self.tensor_slices = apply_model_plan(module, self.parallel) if self.parallel is not None else {}
+        if self.parallel is not None:
+            process_group = self.parallel.data
         optimizer = engine_optimizer(settings, module, optimizer)
         self.collectives = Collectives(process_group, CommStats())
         self.batch_sizes = settings.batch_sizes(self.collectives.world_size)  # checked before any work
@@ -138,6 +147,22 @@ class ZeroEngine(nn.Module):
             with torch.no_grad():
                 return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
+
+    def train_batch(self, micro_batches: Sequence[Any]) -> torch.Tensor:
+        """Run `micro_batches` (each a mapping of keyword arguments, a tuple of positional ones, or one
+        argument; the model must return a loss), step once, and return the mean loss over the
+        micro-batches and the data-parallel ranks. See schedule.py."""
+        self._require_optimizer("train_batch")
+        return train_batch(self, micro_batches)
+
+    def _require_whole_parameters(self, action: str) -> None:
+        # The checkpoint layout names each parameter once; tensor slices of one name on several ranks
+        # would overwrite each other. Until the layout records slices, refuse rather than lose data.
+        if self.tensor_slices:
+            raise ValueError(
+                f"{action} with tensor slicing ({self.parallel.dims}) is not supported yet: engine checkpoints "
+                "hold whole parameters; save full_state_dict() (consolidated) instead"
+            )
 
     def _require_optimizer(self, action: str) -> None:
         self._require_open(action)
@@ -302,6 +327,21 @@ class ZeroEngine(nn.Module):
                 result[name] = gathered[id(tensor)]
             else:
                 result[name] = tensor.detach().clone().cpu()
+        if self.tensor_slices:
+            # Whole tensors from every tensor rank's slices (under one state-dict key each, tied ones too).
+            names = {id(p): name for name, p in self.module.named_parameters()}
+            keys = {key: names.get(id(t)) for key, t in self.module.state_dict(keep_vars=True).items()}
+            local = {
+                names[id(t)]: result[key]
+                for key, t in self.module.state_dict(keep_vars=True).items()
+                if id(t) in names
+            }
+            whole = gather_tensor_slices(
+                local, self.tensor_slices, self.parallel.tensor, self.groups[0].device
+            )
+            result = {key: whole.get(keys[key], value) for key, value in result.items()}
+            if rank0_only and self.parallel.rank("tensor") != 0:
+                return {}
         return result
 
     # ------------------------------------------------------------------ checkpoints (EngineState)
@@ -327,6 +367,7 @@ class ZeroEngine(nn.Module):
     def save_checkpoint(self, directory: str | Path) -> None:
         """Every rank writes its own shard (fp32 master + optimizer state) to `directory`. Collective."""
         self._require_optimizer("save_checkpoint")
+        self._require_whole_parameters("save_checkpoint")
         steps = self.batch_sizes.gradient_accumulation_steps
         if self.micro_steps % steps:
             raise RuntimeError(
@@ -341,6 +382,7 @@ class ZeroEngine(nn.Module):
         """This rank's shard from a checkpoint saved at any world size and stage (see [Note: reshaping] in
         checkpoint.py); `verify` checks the files' sha256. Returns the manifest."""
         self._require_optimizer("load_checkpoint")
+        self._require_whole_parameters("load_checkpoint")
         schedule = read_scheduler_state(self.lr_scheduler, Path(directory))
         manifest = load_engine(self, directory, verify=verify)
         if schedule is not None:
@@ -429,7 +471,17 @@ class ZeroEngine(nn.Module):
             fused_adam=_fused_adam_backend(
                 self.config.fused_adam, placement.device, placement.optimizer_on_host, optimizer
             ),
+            tensor_parallel=self._tensor_parallel_norm(),
         )
+
+    def _tensor_parallel_norm(self) -> TensorParallelNorm | None:
+        if not self.tensor_slices:
+            return None
+        replicated = [
+            [slot.index for slot in group.layout.slots if slot.name not in self.tensor_slices]
+            for group in self.groups
+        ]
+        return TensorParallelNorm(Collectives(self.parallel.tensor), replicated)
 
     def _gradient_reducer(self) -> GradientReducer:
         """The backward hooks; stage 3 releases each unit's gathered parameters once it is reduced."""
@@ -584,6 +636,7 @@ def initialize(
     device: torch.device | str | None = None,
     init_seed: int = 0,
     pretrained: PretrainedSource | str | Path | None = None,
+    parallel: ParallelDims | None = None,
 ) -> ZeroEngine:
     """Shard `model` and `optimizer` across the ranks of `process_group` (default: the world).
 
@@ -599,7 +652,19 @@ def initialize(
     section, which is then built over the model's trainable parameters (both is an error). Its
     `scheduler` section becomes `engine.lr_scheduler`, and its batch keys the engine's gradient
     accumulation (see `TrainingConfig`).
+
+    `parallel` lays the world out as tensor x pipeline x data (see [Note: parallel layout] in
+    parallel.py): the model's declared tensor-parallel plan is applied to it (it must hold its weights,
+    the same on every rank), and the engine shards over the data-parallel group, instead of
+    `process_group`.
     """
     return ZeroEngine(
-        model, optimizer, config, process_group, device=device, init_seed=init_seed, pretrained=pretrained
+        model,
+        optimizer,
+        config,
+        process_group,
+        device=device,
+        init_seed=init_seed,
+        pretrained=pretrained,
+        parallel=parallel,
     )

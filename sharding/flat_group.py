@@ -232,6 +232,19 @@ class FlatGroup:
             return self.layout.piece_view(self.full_grad, unit, self.shard_rank)
         return self.layout.shard_piece(self.shard_grad, unit)
 
+    def owned_gradient(self, index: int) -> torch.Tensor | None:
+        """This rank's reduced gradient of the part of parameter `index` it owns (a view; None if it owns
+        none of it): in the stage 2-3 shard, or in this rank's piece of the stage 0-1 full buffer."""
+        slot = self.layout.slots[index]
+        owned = self.layout.owned_range(slot, self.shard_rank)
+        if owned is None:
+            return None
+        start, end, at = owned
+        if self.shard_grad is not None:
+            return self.shard_grad.narrow(0, at, end - start)
+        unit = self.layout.units[slot.unit]
+        return self.full_grad.narrow(0, unit.full_offset + slot.offset + start, end - start)
+
     def grad_pieces(self) -> list[torch.Tensor]:
         return [self.grad_piece(unit) for unit in self.layout.units]
 

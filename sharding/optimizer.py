@@ -26,6 +26,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -85,8 +86,10 @@ class ShardedOptimizer:
         sharded: bool,
         offloaded: bool = False,
         fused_adam: str = "none",
+        tensor_parallel: TensorParallelNorm | None = None,
     ):
         self.optimizer = optimizer
+        self.tensor_parallel = tensor_parallel
         self.groups = groups
         self.collectives = collectives
         self.loss_scaler = loss_scaler
@@ -125,8 +128,12 @@ class ShardedOptimizer:
             if pieces:
                 group_squares = torch.stack([squared_norm(piece) for piece in pieces]).sum()
                 squares += (group_squares / flat.grad_divisor**2).to(device)
+        if self.tensor_parallel is not None:
+            squares -= self.tensor_parallel.replicated_excess(self.groups).to(device)
         if self.sharded:
             self.collectives.all_reduce(squares)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.collectives.all_reduce(squares)
         return math.sqrt(squares.item()) / self.loss_scaler.scale
 
     def _refuse_direct_step(self, optimizer, args, kwargs) -> None:
@@ -258,6 +265,28 @@ class ShardedOptimizer:
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors (e.g. Adam's two moments) this rank holds."""
         return sum(value.untyped_storage().nbytes() for value in self.state_tensors())
+
+
+@dataclass
+class TensorParallelNorm:
+    """The gradient norm over a tensor group too (see [Note: parallel layout] in parallel.py): every
+    tensor rank holds different slices of the cut parameters but the same values of the others
+    (`replicated`: per flat group, the indices of the parameters the plan leaves whole), which the sum
+    over the tensor group must count once."""
+
+    collectives: Collectives  # over the tensor group
+    replicated: list[list[int]]
+
+    def replicated_excess(self, groups: list[FlatGroup]) -> torch.Tensor:
+        """(1 - 1/t) of this rank's squares of the replicated gradients (fp64): what the sum over the
+        t tensor ranks counts more than once."""
+        excess = torch.zeros((), dtype=torch.float64)
+        for flat, indices in zip(groups, self.replicated, strict=True):
+            views = [view for i in indices if (view := flat.owned_gradient(i)) is not None and view.numel()]
+            if views:
+                squares = torch.stack([squared_norm(view) for view in views]).sum().cpu()
+                excess += squares / flat.grad_divisor**2
+        return excess * (1 - 1 / self.collectives.world_size)
 
 
 def _host_16bit_shard(flat: FlatGroup) -> torch.Tensor | None:

@@ -47,10 +47,11 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
-from tnlg.sharding import DeepSpeedConfig, ZeroConfig, ZeroEngine, initialize
+from tnlg.sharding import DeepSpeedConfig, ParallelDims, ZeroConfig, ZeroEngine, initialize
 from tnlg.sharding.checkpoint import engine_directory, read_on_every_rank
 from tnlg.sharding.deepspeed import engine_settings
 from tnlg.sharding.json_files import write_json
+from tnlg.sharding.parallel import build_groups
 from tnlg.state_files import (
     read_checkpoint_json,
     read_rank_state,
@@ -179,6 +180,45 @@ class AcceleratedEngineOptimizer(AcceleratedOptimizer):
         return self.optimizer.step_was_skipped
 
 
+@contextlib.contextmanager
+def _accelerate_parallelism_hidden(hide: bool):
+    """Accelerate's own reading of its launcher's parallelism environment switched off (the engine took it)."""
+    name = "ACCELERATE_USE_PARALLELISM_CONFIG"
+    saved = os.environ.get(name)
+    if hide and saved is not None:
+        os.environ[name] = "false"
+    try:
+        yield
+    finally:
+        if hide and saved is not None:
+            os.environ[name] = saved
+
+
+def parallel_dims_for(parallel: ParallelDims | None, config: Any) -> ParallelDims | None:
+    """The engine's layout from `parallel=` or Accelerate's `ParallelismConfig` (also the one its launcher's
+    `--use_parallelism_config` environment describes); None for plain data parallelism. Both given, or a
+    context / sequence parallel degree (which the engine does not apply), is a ValueError."""
+    if config is None and os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+        from accelerate.parallelism_config import ParallelismConfig
+
+        config = ParallelismConfig()
+    if config is None:
+        return parallel
+    if parallel is not None:
+        raise ValueError("give parallel= or Accelerate's parallelism_config, not both")
+    unsupported = {name: getattr(config, name, 1) for name in ("cp_size", "sp_size")}
+    unsupported = {name: size for name, size in unsupported.items() if size != 1}
+    if unsupported:
+        raise ValueError(
+            f"ParallelismConfig {unsupported}: the ZeRO engine applies tensor slicing and data parallelism "
+            "(tp_size, dp_shard_size, dp_replicate_size), not context or sequence parallelism"
+        )
+    data = config.dp_replicate_size * config.dp_shard_size
+    # ZeRO shards over every data-parallel rank: replicate x shard is one data dimension here. All ones
+    # (Accelerate's default) leaves the data degree to the world size.
+    return ParallelDims(tensor=config.tp_size, data=data if data > 1 else None)
+
+
 class ZeroAccelerator(Accelerator):
     """An `Accelerator` that shards the prepared model and optimizer with tnlg's ZeRO engine."""
 
@@ -186,6 +226,7 @@ class ZeroAccelerator(Accelerator):
         self,
         *args: Any,
         zero_config: ZeroConfig | DeepSpeedConfig | Mapping | str | Path | None = None,
+        parallel: ParallelDims | None = None,
         **kwargs: Any,
     ):
         given = inspect.signature(Accelerator.__init__).bind_partial(None, *args, **kwargs).arguments
@@ -204,7 +245,22 @@ class ZeroAccelerator(Accelerator):
         self.zero_config = self.zero_settings.zero if self.zero_settings is not None else None
         if self.zero_config is not None and not torch.cuda.is_available():
             kwargs.setdefault("cpu", True)  # CPU processes on gloo
-        super().__init__(*args, **kwargs)
+        # Accelerate's ParallelismConfig (or its launcher's environment) is the engine's to apply: Accelerate
+        # itself takes one only with FSDP or DeepSpeed, and would refuse it on CPU processes.
+        self.parallel_dims = None
+        if self.zero_config is not None:
+            self.parallel_dims = parallel_dims_for(parallel, kwargs.pop("parallelism_config", None))
+        elif parallel is not None:
+            raise ValueError("parallel= needs the ZeRO engine on (zero_config or TNLG_ZERO_* settings)")
+        with _accelerate_parallelism_hidden(self.parallel_dims is not None):
+            super().__init__(*args, **kwargs)
+        self.parallel_groups = None
+        if self.parallel_dims is not None:
+            # The (pipeline, data, tensor) grid, under Accelerate's mesh names: its data loaders then give a
+            # tensor group the same batches (see [Note: parallel layout] in sharding/parallel.py).
+            self.parallel_groups = build_groups(self.parallel_dims, self.device.type)
+            self.parallel_dims = self.parallel_groups.dims
+            self.state.device_mesh = self.parallel_groups.mesh
         if self.zero_settings is not None:
             self.scaler = (
                 None  # the engine scales fp16 losses itself; a GradScaler on top would be dead state
@@ -283,7 +339,14 @@ class ZeroAccelerator(Accelerator):
             )
         if not any(p.is_meta for p in model.parameters()):
             model = model.to(self.device)
-        engine = initialize(model, optimizer, self.zero_settings, init_seed=init_seed, pretrained=pretrained)
+        engine = initialize(
+            model,
+            optimizer,
+            self.zero_settings,
+            init_seed=init_seed,
+            pretrained=pretrained,
+            parallel=self.parallel_dims,
+        )
         self.engines.append(engine)
         self._models.append(engine)
         wrapped_optimizer = AcceleratedEngineOptimizer(
@@ -291,6 +354,18 @@ class ZeroAccelerator(Accelerator):
         )
         self._optimizers.append(wrapped_optimizer)
         return engine, wrapped_optimizer
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This process's data-parallel rank: which share of the data it reads (the process index
+        without tensor slicing or pipeline stages, whose ranks read the same data)."""
+        return self.parallel_groups.rank("data") if self.parallel_groups is not None else self.process_index
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shares the data is cut into (the number of processes without tensor slicing or
+        pipeline stages)."""
+        return self.parallel_dims.data if self.parallel_dims is not None else self.num_processes
 
     @property
     def engine(self) -> ZeroEngine:

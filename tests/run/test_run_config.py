@@ -8,7 +8,7 @@ from tests.support import REPO
 from tnlg.modeling import TNLGConfig
 from tnlg.run.config import load_run_config
 from tnlg.run.pretrain import stream_config
-from tnlg.sharding import ZeroConfig
+from tnlg.sharding import ParallelDims, ZeroConfig
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -129,3 +129,19 @@ def test_pretokenized_corpora_feed_training(tmp_path):
     stream = training_stream(config, byte_level_tokenizer(), rank=0, world=1)
     assert isinstance(stream, PretokenizedStream)
     assert next(iter(stream))["input_ids"].shape == (2, 16)
+
+
+def test_parallel_section_gives_the_engine_its_layout():
+    assert load_run_config(None).parallel.dims() is None  # data parallelism alone
+    config = load_run_config(None, ["--parallel.tensor", "2", "--parallel.pipeline", "1"])
+    assert config.parallel.dims() == ParallelDims(tensor=2, pipeline=1)
+    assert config.to_dict()["parallel"] == {"tensor": 2, "pipeline": 1}
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("0", "must be an integer >= 1, got 0"), ("1.5", "expected int, got 1.5"), ("true", "expected int")],
+)
+def test_bad_parallel_degrees_are_named(value, message):
+    with pytest.raises(ValueError, match=rf"parallel\.tensor.*{message}"):
+        load_run_config(None, ["--parallel.tensor", value])

@@ -37,3 +37,19 @@ def measured_memory(rank: int, world_size: int, stage: int) -> dict:
     stats = engine.memory_stats()
     engine.close()
     return {"stats": stats, "peaks": peaks, "compute_bytes": torch.tensor([]).element_size()}
+
+
+def measured_tensor_memory(rank: int, world_size: int, stage: int) -> dict:
+    """Model-state bytes of the tiny TNLG model after a step at tensor 2 x data 2 (fp32)."""
+    from tests.support.parallel_cases import tnlg_batches, tnlg_optimizer
+    from tests.support.tensor_parallel_cases import make_model as make_tnlg
+    from tnlg.sharding import ParallelDims
+
+    model = make_tnlg()
+    config = ZeroConfig(stage=stage, reduce_bucket_size=500, param_persistence_threshold=40)
+    engine = initialize(model, tnlg_optimizer(model), config, parallel=ParallelDims(tensor=2))
+    ids, labels = tnlg_batches(1)[0]
+    engine.train_batch([{"input_ids": ids[:2], "labels": labels[:2]}])
+    stats = engine.memory_stats()
+    engine.close()
+    return stats

@@ -19,6 +19,7 @@ from tnlg.tools.memory import (
     model_state_estimate,
     parse_bytes,
     smallest_world_size,
+    tensor_rank_parameters,
 )
 
 
@@ -342,3 +343,41 @@ def test_script_takes_a_run_configs_activation_offload(capsys, tmp_path):
         offload_activations=True,
     )
     assert row[2] == "act" and float(row[-1]) == pytest.approx(expected.cpu_bytes / GB, abs=0.005)
+
+
+def test_tensor_slicing_follows_korthikanti_eq_2():
+    # eq. 2 (no sequence parallelism), dropout on, I = 4h, 16-bit: a layer keeps sbh(10 + 24/t + 5as/(ht)).
+    config = TNLGConfig.from_preset(
+        "debug", num_hidden_layers=3, attention_dropout=0.1, hidden_dropout=0.1, embedding_dropout=0.1
+    )
+    s, b, h, a, v, layers, t = 128, 2, 64, 4, 512, 3, 4  # the debug shape
+    head = 2 * 2 * s * b * h + 4 * s * b * v // t + s * b * h
+    full = activation_bytes(config, micro_batch_size=b, activation_checkpointing=False, tensor_parallel=t)
+    assert full == layers * s * b * h * (10 + 24 // t) + layers * 5 * a * s * s * b // t + head
+
+
+def test_tensor_slicing_cuts_the_matrices_and_keeps_norms_whole():
+    config = TNLGConfig.from_preset("tnlg-17b")
+    h, layers = config.hidden_size, config.num_hidden_layers
+    whole_per_layer = 4 * h + 2 * h  # two LayerNorms, the attention output and fc_out biases
+    sliced = config.num_parameters() - layers * whole_per_layer - config.max_position_embeddings * h - 2 * h
+    expected = sliced // 4 + layers * whole_per_layer + config.max_position_embeddings * h + 2 * h
+    assert tensor_rank_parameters(config, 4) == expected
+    four = estimate_memory(config, world_size=32, stage=3, tensor_parallel=4)
+    one = estimate_memory(config, world_size=32, stage=3)
+    assert four.world_size == 32
+    # ZeRO over 8 data ranks of a quarter of the model: about the same model states as 32 of all of it.
+    assert four.model_states == pytest.approx(one.model_states, rel=0.01)
+    assert four.activations < one.activations
+
+
+def test_tensor_degrees_that_cut_heads_are_named_with_the_valid_ones():
+    config = TNLGConfig.from_preset("tnlg-17b")
+    with pytest.raises(
+        ValueError, match="does not divide the 28 attention heads; valid degrees: 1, 2, 4, 7, 14, 28"
+    ):
+        estimate_memory(config, world_size=24, stage=3, tensor_parallel=3)
+    with pytest.raises(ValueError, match="tensor_parallel=7 does not divide the vocabulary 50304"):
+        estimate_memory(config, world_size=28, stage=3, tensor_parallel=7)
+    with pytest.raises(ValueError, match="tensor_parallel=4 does not divide world_size=6"):
+        estimate_memory(config, world_size=6, stage=3, tensor_parallel=4)

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from tests.support import REPO
-from tests.support.memory_plan_cases import measured_memory
+from tests.support.memory_plan_cases import measured_memory, measured_tensor_memory
+from tests.support.parallel_cases import tnlg_optimizer
+from tests.support.tensor_parallel_cases import make_model as make_tnlg
 from tests.support.zero_cases import SMALL
 from tests.support.zero_models import make_model, make_optimizer
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
@@ -96,3 +98,19 @@ def test_bad_inputs_are_named():
         plan_rank_memory(
             model, make_optimizer(model), ZeroConfig(stage=3), world_size=2, optimizer_kind="lion"
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_plan_of_a_tensor_rank_equals_what_the_engine_holds(stage):
+    stats = run_distributed(measured_tensor_memory, 4, stage, timeout=300)
+    with torch.device("meta"):
+        meta = make_tnlg()
+    shapes = {name: p.shape for name, p in meta.named_parameters()}
+    zero = ZeroConfig(stage=stage, reduce_bucket_size=500, param_persistence_threshold=40)
+    optimizer = tnlg_optimizer(meta)
+    plan = plan_rank_memory(meta, optimizer, zero, world_size=4, device_type="cpu", tensor_parallel=2)
+    assert {name: p.shape for name, p in meta.named_parameters()} == shapes  # the meta model is whole again
+    for rank in stats:  # every tensor rank holds slices of the same sizes
+        assert (plan.params, plan.grads, plan.master) == (rank["params"], rank["grads"], rank["master"])
+        assert plan.optimizer_state == rank["optimizer_state"] - _step_counters(optimizer)

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from tnlg.sharding import DeepSpeedConfig, ZeroConfig, load_deepspeed
+from tnlg.sharding import DeepSpeedConfig, ParallelDims, ZeroConfig, load_deepspeed
 from tnlg.sharding.config import MIXED_PRECISIONS
 
 T = TypeVar("T")
@@ -166,6 +166,28 @@ class TrainSection:
 
 
 @dataclass(kw_only=True)
+class ParallelSection:
+    """The layout beyond data parallelism (see [Note: parallel layout] in sharding/parallel.py): `tensor`
+    slices every layer across that many consecutive ranks, `pipeline` cuts the layers into stages; the data
+    degree is what is left of the world (`--parallel.tensor 2` on 4 processes: 2 data replicas)."""
+
+    tensor: int = 1
+    pipeline: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "pipeline"):
+            value = getattr(self, name)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            require(f"parallel.{name}", value, ok, "an integer >= 1")
+
+    def dims(self) -> ParallelDims | None:
+        """The engine's layout, or None for data parallelism alone."""
+        if self.tensor == 1 and self.pipeline == 1:
+            return None
+        return ParallelDims(tensor=self.tensor, pipeline=self.pipeline)
+
+
+@dataclass(kw_only=True)
 class LoggingSection:
     """How often the progress bar shows the metrics, and the Accelerate trackers that record them.
 
@@ -269,6 +291,7 @@ class TrainingConfig:
 
     model: ModelSection = field(default_factory=ModelSection)
     zero: ZeroSection = field(default_factory=ZeroSection)  # type: ignore[valid-type]
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     train: TrainSection = field(default_factory=TrainSection)
     logging: LoggingSection = field(default_factory=LoggingSection)

@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from tnlg.accelerate import ZeroAccelerator
 from tnlg.modeling import TNLGConfig
 from tnlg.run.activations import enable_activation_checkpointing, offloaded_activations
-from tnlg.run.build import check_init_from, meta_model, model_config, run_tokenizer
+from tnlg.run.build import check_init_from, meta_model, model_config, run_tokenizer, with_weights
 from tnlg.run.checkpoint import RunCheckpointer
 from tnlg.run.config import TrainingConfig
 from tnlg.run.launch_checks import check_ranks_run_the_same_job
@@ -104,6 +104,7 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
         zero_config=config.zero.engine_settings(train_section.mixed_precision),
         mixed_precision=train_section.mixed_precision,
         gradient_accumulation_steps=train_section.gradient_accumulation_steps,
+        parallel=config.parallel.dims(),
         log_with=tracker_names(config.logging.trackers) or None,
         project_config=ProjectConfiguration(project_dir=str(output), logging_dir=str(output / "logs")),
     )
@@ -115,6 +116,10 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
     tokenizer = run_tokenizer(job.tokenizer, config.model)
     architecture = model_config(config.model, tokenizer, job.seq_len)
     model = (job.build_model or meta_model)(architecture)
+    if config.parallel.tensor > 1:
+        # Tensor slicing cuts whole weights: the model is built with them (the seeded initialization the
+        # engine would give a meta model), then cut by the engine.
+        model = with_weights(model, train_section.seed, config.model.init_from)
     if config.model.activation_checkpointing.enabled:  # before the engine hooks the blocks
         enable_activation_checkpointing(model)
     optimizer = build_optimizer(model, config.optimizer)
@@ -126,7 +131,9 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
         optimizer,
         init_seed=train_section.seed,
         # the default model is built on the meta device: each rank reads its shards of init_from
-        pretrained=config.model.init_from if job.build_model is None else None,
+        pretrained=config.model.init_from
+        if job.build_model is None and config.parallel.tensor == 1
+        else None,
     )
     run = Run(
         config,
@@ -137,7 +144,8 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
         scheduler,
         tokenizer,
         architecture,
-        stream=job.batches(tokenizer, accelerator.process_index, accelerator.num_processes),
+        # Ranks of one tensor group (or pipeline) read the same data: the stream is cut by data rank.
+        stream=job.batches(tokenizer, accelerator.data_parallel_rank, accelerator.data_parallel_size),
         checkpointer=RunCheckpointer(
             output / "checkpoints", keep_last=train_section.keep_last, accelerator=accelerator
         ),
@@ -174,7 +182,9 @@ def train_step(run: Run, batches: Iterator[dict[str, torch.Tensor]], step: int) 
             if accelerator.sync_gradients:
                 # Every rank gets the same mean, so all of them take the same decision below.
                 reduced = accelerator.reduce(totals, "sum")
-                mean_loss, step_tokens = reduced[0].item() / accelerator.num_processes, reduced[1].item()
+                mean_loss = reduced[0].item() / accelerator.num_processes
+                # every data replica's tokens once (the ranks of a tensor group read the same ones)
+                step_tokens = reduced[1].item() * accelerator.data_parallel_size / accelerator.num_processes
                 finite = math.isfinite(mean_loss)
                 if finite:
                     run.optimizer.step()

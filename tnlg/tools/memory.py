@@ -161,8 +161,14 @@ def estimate_memory(
     offload_activations: bool = False,
     optimizer: str = "adamw",
     param_persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+    tensor_parallel: int = 1,
 ) -> MemoryEstimate:
     """Per-rank bytes of model states, stage 3 gathered blocks and activations for training `config`.
+
+    `tensor_parallel` t slices every layer across t ranks as the model's plan does (QKV, attention output,
+    both MLP matrices and the token embedding / output layer cut; LayerNorms, the row-parallel biases and
+    the position embedding whole on every tensor rank), and ZeRO shards each rank's slices over the
+    world_size / t data-parallel ranks; activations follow Korthikanti et al.'s eq. 2.
 
     `seq_len` defaults to `config.max_position_embeddings`; `micro_batch_size` is per rank.
     `offload_activations` (with `activation_checkpointing`: the run's `model.activation_checkpointing.
@@ -182,12 +188,16 @@ def estimate_memory(
         offload_param=offload_param,
         param_persistence_threshold=param_persistence_threshold,
     )
-    states = _model_states(config.num_parameters(), world_size, zero, optimizer)
+    degree = _check_tensor_parallel(config, tensor_parallel, world_size)
+    states = _model_states(tensor_rank_parameters(config, degree), world_size // degree, zero, optimizer)
+    states = replace(states, world_size=world_size)
     compute = _compute_bytes(mixed_precision)
     # Stage 3 gathers whole blocks into the compute dtype on the device, and autograd writes their
     # whole gradients there before they are reduce-scattered into the shard: params + grads.
     gathered = (
-        2 * compute * _stage3_gathered_elements(config, param_persistence_threshold) if stage == 3 else 0
+        2 * compute * _stage3_gathered_elements(config, param_persistence_threshold, degree)
+        if stage == 3
+        else 0
     )
     activations = activation_bytes(
         config,
@@ -195,6 +205,7 @@ def estimate_memory(
         seq_len=seq_len,
         compute_bytes=compute,
         activation_checkpointing=activation_checkpointing,
+        tensor_parallel=degree,
     )
     if not isinstance(offload_activations, bool):
         raise ValueError(f"offload_activations must be True or False, got {offload_activations!r}")
@@ -214,6 +225,7 @@ def activation_bytes(
     seq_len: int | None = None,
     compute_bytes: int = 2,
     activation_checkpointing: bool = True,
+    tensor_parallel: int = 1,
 ) -> int:
     """Bytes of activations forward keeps for backward, after Korthikanti et al. 2022.
 
@@ -231,6 +243,10 @@ def activation_bytes(
 
     With full activation checkpointing (each `TNLGBlock` is a checkpointed layer) forward keeps only
     every layer's input, c·sbh, and backward recomputes one layer at a time, adding its activations.
+
+    With tensor slicing of degree t (no sequence parallelism) the tensors inside the sliced regions are
+    cut t ways and the LayerNorm / linear inputs and residual dropout masks stay whole (eq. 2:
+    sbh(10 + 24/t + 5as/(ht)) in the paper's setting); the vocabulary-parallel loss keeps 4sbv/t.
     """
     seq_len = config.max_position_embeddings if seq_len is None else seq_len
     _check_positive_int("micro_batch_size", micro_batch_size)
@@ -242,42 +258,77 @@ def activation_bytes(
     s, b, c = seq_len, micro_batch_size, compute_bytes
     h, i, a, v = config.hidden_size, config.intermediate_size, config.num_attention_heads, config.vocab_size
     sbh, scores = s * b * h, a * s * s * b
-    masks = (scores if config.attention_dropout > 0 else 0) + (2 * sbh if config.hidden_dropout > 0 else 0)
-    layer = c * (8 * sbh + 2 * s * b * i + 2 * scores) + masks
-    head = 2 * c * sbh + FP32_BYTES * s * b * v + (sbh if config.embedding_dropout > 0 else 0)
+    t = tensor_parallel
+    whole = c * 4 * sbh  # both LayerNorm inputs, the QKV and fc_in inputs (the LayerNorm outputs)
+    sliced = c * (4 * sbh + 2 * s * b * i + 2 * scores) // t  # Q, K, V, attention output, GeLU in/out, scores
+    attention_mask = scores // t if config.attention_dropout > 0 else 0
+    residual_masks = 2 * sbh if config.hidden_dropout > 0 else 0
+    layer = whole + sliced + attention_mask + residual_masks
+    head = 2 * c * sbh + FP32_BYTES * s * b * v // t + (sbh if config.embedding_dropout > 0 else 0)
     layers = config.num_hidden_layers
     if activation_checkpointing:
         return layers * c * sbh + layer + head
     return layers * layer + head
 
 
-def _stage3_gathered_elements(config: TNLGConfig, threshold: int) -> int:
+def _stage3_gathered_elements(config: TNLGConfig, threshold: int, tensor_parallel: int = 1) -> int:
     """Elements stage 3 holds whole on a rank at the peak: the root block, one layer, the persistent ones.
 
     The engine (sharding/params.py) keeps the root block (embeddings, tied output layer) gathered
     from the start of forward to the end of backward and gathers decoder layers one at a time.
     Tensors of at most `threshold` elements (biases, LayerNorms) stay whole on every rank.
     """
-    layer, root = _layer_tensor_sizes(config), _root_tensor_sizes(config)
+    layer, root = _layer_tensor_sizes(config, tensor_parallel), _root_tensor_sizes(config, tensor_parallel)
     persistent = config.num_hidden_layers * sum(n for n in layer if n <= threshold)
     persistent += sum(n for n in root if n <= threshold)
     return sum(n for n in root if n > threshold) + sum(n for n in layer if n > threshold) + persistent
 
 
-def _layer_tensor_sizes(config: TNLGConfig) -> list[int]:
-    """Element counts of one `TNLGBlock`'s tensors (as in `TNLGConfig.num_parameters`)."""
-    h, i = config.hidden_size, config.intermediate_size
+def _layer_tensor_sizes(config: TNLGConfig, tensor_parallel: int = 1) -> list[int]:
+    """Element counts of one `TNLGBlock`'s tensors on one tensor rank (as in `TNLGConfig.num_parameters`
+    with t = 1): QKV (weight and bias), the attention output weight and both MLP matrices (with fc_in's
+    bias) cut t ways; LayerNorms and the row-parallel biases whole."""
+    h, i, t = config.hidden_size, config.intermediate_size, tensor_parallel
     layer_norm = [h, h]
-    attention = [h * 3 * h, 3 * h, h * h, h]
-    mlp = [h * i, i, i * h, h]
+    attention = [h * 3 * h // t, 3 * h // t, h * h // t, h]
+    mlp = [h * i // t, i // t, i * h // t, h]
     return layer_norm + attention + layer_norm + mlp
 
 
-def _root_tensor_sizes(config: TNLGConfig) -> list[int]:
-    """Element counts of the tensors outside the blocks: embeddings, final LayerNorm, untied head."""
-    h, v = config.hidden_size, config.vocab_size
-    output_layer = [] if config.tie_word_embeddings else [v * h]
-    return [v * h, config.max_position_embeddings * h, h, h, *output_layer]
+def _root_tensor_sizes(config: TNLGConfig, tensor_parallel: int = 1) -> list[int]:
+    """Element counts of the tensors outside the blocks on one tensor rank: the token embedding (and an
+    untied output layer) cut by vocabulary, the position embedding and final LayerNorm whole."""
+    h, v, t = config.hidden_size, config.vocab_size, tensor_parallel
+    output_layer = [] if config.tie_word_embeddings else [v * h // t]
+    return [v * h // t, config.max_position_embeddings * h, h, h, *output_layer]
+
+
+def tensor_rank_parameters(config: TNLGConfig, tensor_parallel: int = 1) -> int:
+    """Parameters one tensor rank holds (all of them with t = 1)."""
+    layers = config.num_hidden_layers * sum(_layer_tensor_sizes(config, tensor_parallel))
+    return layers + sum(_root_tensor_sizes(config, tensor_parallel))
+
+
+def valid_tensor_degrees(config: TNLGConfig) -> list[int]:
+    """Degrees that give every tensor rank whole attention heads: the divisors of the head count."""
+    heads = config.num_attention_heads
+    return [t for t in range(1, heads + 1) if heads % t == 0]
+
+
+def _check_tensor_parallel(config: TNLGConfig, degree: Any, world_size: Any) -> int:
+    _check_positive_int("tensor_parallel", degree)
+    _check_positive_int("world_size", world_size)
+    if config.num_attention_heads % degree:
+        raise ValueError(
+            f"tensor_parallel={degree} does not divide the {config.num_attention_heads} attention heads; valid "
+            f"degrees: {', '.join(map(str, valid_tensor_degrees(config)))}"
+        )
+    for name, size in (("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)):
+        if size % degree:
+            raise ValueError(f"tensor_parallel={degree} does not divide the {name} {size}")
+    if world_size % degree:
+        raise ValueError(f"tensor_parallel={degree} does not divide world_size={world_size}")
+    return degree
 
 
 def smallest_world_size(
@@ -293,11 +344,12 @@ def smallest_world_size(
     Powers of two because that is how data-parallel jobs are sized (nodes of 8 devices); since every
     term is non-increasing in the world size, the first one that fits is the answer. None if even
     `max_world_size` does not fit (activations do not shrink with more ranks, nor anything in stage 0).
-    `options` are `estimate_memory`'s other keyword arguments.
+    `options` are `estimate_memory`'s other keyword arguments; with `tensor_parallel` t the sizes are t
+    times the powers of two (t ranks per data replica).
     """
     _check_positive_int("device_memory_bytes", device_memory_bytes)
     _check_positive_int("max_world_size", max_world_size)
-    world_size = 1
+    world_size = options.get("tensor_parallel", 1)
     while world_size <= max_world_size:
         estimate = estimate_memory(config, world_size=world_size, stage=stage, **options)
         if estimate.device_bytes <= device_memory_bytes:

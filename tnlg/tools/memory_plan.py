@@ -22,11 +22,13 @@ is never run).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from tnlg.modeling.tensor_parallel import plan_slices
 from tnlg.sharding.config import ZeroConfig
 from tnlg.sharding.engine import COMPUTE_DTYPES, layout_alignment
 from tnlg.sharding.grads import BUCKETS_IN_FLIGHT
@@ -80,15 +82,63 @@ def plan_rank_memory(
     activations: int = 0,
     offloaded_activations: int = 0,
     device_type: str = "cuda",
+    tensor_parallel: int = 1,
 ) -> RankMemoryPlan:
     """The plan for `model` (on the meta device) trained with `optimizer` over it at `zero`'s settings.
 
     `activations` / `offloaded_activations`: bytes of activations on the device / in host memory
     (`memory.activation_bytes`); `device_type`: where the ranks compute ("cuda" aligns each rank's piece
     of a unit to 256 bytes, as the engine does there). Raises ValueError as the engine's planner does
-    for a bad model or optimizer, or for a bad world size or optimizer kind."""
+    for a bad model or optimizer, or for a bad world size or optimizer kind.
+
+    `tensor_parallel` t: the plan is of tensor rank 0's slices (the model's own plan cuts the meta
+    parameters for the time of the call, `plan_slices`), sharded over the world_size / t data ranks.
+    """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if not isinstance(tensor_parallel, int) or tensor_parallel < 1 or world_size % tensor_parallel:
+        raise ValueError(
+            f"tensor_parallel must be an integer >= 1 dividing world_size, got {tensor_parallel!r}"
+        )
+    if tensor_parallel == 1:
+        return _plan(
+            model,
+            optimizer,
+            zero,
+            world_size,
+            optimizer_kind,
+            activations,
+            offloaded_activations,
+            device_type,
+        )
+    parameters = dict(model.named_parameters())
+    cuts = plan_slices(model, tensor_parallel)
+    whole = {name: parameters[name].data for name in cuts}
+    try:
+        with torch.no_grad():
+            for name, cut in cuts.items():
+                parameters[name].data = cut.local(whole[name])
+        plan = _plan(
+            model, optimizer, zero, world_size // tensor_parallel, optimizer_kind, activations,
+            offloaded_activations, device_type,
+        )  # fmt: skip
+    finally:
+        for name, value in whole.items():
+            parameters[name].data = value
+    return dataclasses.replace(plan, world_size=world_size)
+
+
+def _plan(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    zero: ZeroConfig,
+    world_size: int,
+    optimizer_kind: str,
+    activations: int,
+    offloaded_activations: int,
+    device_type: str,
+) -> RankMemoryPlan:
+    """`plan_rank_memory` of the model as it is (its own slices), sharded over `world_size` ranks."""
     if optimizer_kind not in OPTIMIZER_STATE_BYTES:
         raise ValueError(
             f"optimizer_kind must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer_kind!r}"

@@ -1,0 +1,174 @@
+"""The three dimensions a training job is laid out in: tensor slicing, pipeline stages, data parallelism.
+
+[Note: parallel layout]
+A world of W ranks is a (pipeline, data, tensor) grid, tensor innermost: the ranks of one tensor group are
+consecutive (on one node, where tensor slicing's per-layer all-reduces belong), then the data replicas,
+then the pipeline stages across nodes, as Megatron and DeepSpeed lay out MT-NLG (8-way tensor slicing
+inside a node, 35 pipeline stages across nodes, data parallelism over the rest). Accelerate's own
+`ParallelismConfig` mesh also keeps tensor innermost. The grid is a torch `DeviceMesh` whose dimensions
+carry Accelerate's names ("pp", "dp_shard", "tp"; MESH_NAMES), so that Accelerate's data loaders, given
+the mesh, hand the same batches to a tensor group and different ones to the data ranks; this module's
+API names them "pipeline", "data" and "tensor".
+
+The ZeRO engine shards over the data group only: every rank of a tensor group holds different slices
+of the same parameters (or, for the parameters the plan leaves whole, the same values), and every
+pipeline stage different layers, so the optimizer state of a slice is partitioned among the ranks
+that hold that slice, which are its data group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+if TYPE_CHECKING:
+    from tnlg.modeling.tensor_parallel import TensorSlice
+
+MESH_DIMENSIONS = ("pipeline", "data", "tensor")
+MESH_NAMES = {"pipeline": "pp", "data": "dp_shard", "tensor": "tp"}  # Accelerate's (data_loader.py)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of tensor slicing and pipeline stages; the data-parallel degree is what is left of the
+    world: `data = world_size // (tensor * pipeline)`. `data` may be given to check it."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    data: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "pipeline"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelDims.{name} must be an integer >= 1, got {value!r}")
+        if self.data is not None and (
+            isinstance(self.data, bool) or not isinstance(self.data, int) or self.data < 1
+        ):
+            raise ValueError(f"ParallelDims.data must be an integer >= 1 or None, got {self.data!r}")
+
+    def resolve(self, world_size: int) -> ParallelDims:
+        """These degrees for a world of `world_size` ranks, `data` filled in; raises ValueError naming the
+        degrees that do not divide the world (and the data degree that would fit)."""
+        cut = self.tensor * self.pipeline
+        if world_size % cut:
+            raise ValueError(
+                f"tensor {self.tensor} x pipeline {self.pipeline} = {cut} does not divide the world of "
+                f"{world_size} ranks"
+            )
+        data = world_size // cut
+        if self.data is not None and self.data != data:
+            raise ValueError(
+                f"ParallelDims(data={self.data}) with tensor {self.tensor} x pipeline {self.pipeline} needs "
+                f"{self.data * cut} ranks; the world has {world_size} (data would be {data})"
+            )
+        return ParallelDims(self.tensor, self.pipeline, data)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(pipeline, data, tensor): the mesh's shape, in MESH_DIMENSIONS order (resolved dims only)."""
+        if self.data is None:
+            raise ValueError("resolve(world_size) first: the data degree is not known yet")
+        return self.pipeline, self.data, self.tensor
+
+    def __str__(self) -> str:
+        data = "?" if self.data is None else self.data
+        return f"tensor {self.tensor} x pipeline {self.pipeline} x data {data}"
+
+
+@dataclass
+class ParallelGroups:
+    """This rank's place in the grid: the mesh, and the process group and rank along each dimension."""
+
+    dims: ParallelDims
+    mesh: DeviceMesh
+
+    def group(self, dimension: str) -> dist.ProcessGroup:
+        return self.mesh.get_group(MESH_NAMES[dimension])
+
+    def rank(self, dimension: str) -> int:
+        return self.mesh.get_local_rank(MESH_NAMES[dimension])
+
+    @property
+    def tensor(self) -> dist.ProcessGroup:
+        return self.group("tensor")
+
+    @property
+    def data(self) -> dist.ProcessGroup:
+        return self.group("data")
+
+    @property
+    def pipeline(self) -> dist.ProcessGroup:
+        return self.group("pipeline")
+
+
+def build_groups(dims: ParallelDims, device_type: str | None = None) -> ParallelGroups:
+    """The mesh of `dims` over the initialised world (collective: every rank calls it alike).
+    `device_type` defaults to "cuda" with a NCCL world, else "cpu"."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("ParallelDims need torch.distributed initialised (torchrun / accelerate launch)")
+    dims = dims.resolve(dist.get_world_size())
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" and torch.cuda.is_available() else "cpu"
+    mesh = init_device_mesh(
+        device_type, dims.shape, mesh_dim_names=tuple(MESH_NAMES[d] for d in MESH_DIMENSIONS)
+    )
+    return ParallelGroups(dims, mesh)
+
+
+def parallel_groups(
+    parallel: ParallelDims | None, process_group: dist.ProcessGroup | None
+) -> ParallelGroups | None:
+    """The engine's grid for `initialize(..., parallel=)`, or None without one."""
+    if parallel is None:
+        return None
+    if not isinstance(parallel, ParallelDims):
+        raise ValueError(f"parallel must be a ParallelDims, got {type(parallel).__name__}")
+    if process_group is not None:
+        raise ValueError(
+            "give parallel= or process_group=, not both: the data-parallel group comes from the dims"
+        )
+    return build_groups(parallel)
+
+
+def apply_model_plan(module: nn.Module, groups: ParallelGroups) -> dict[str, TensorSlice]:
+    """Cut `module` for its tensor group following the plan it declares (`base_model_tp_plan`); returns
+    each cut parameter's slice by name (none with tensor 1)."""
+    if groups.dims.pipeline > 1:
+        raise ValueError(
+            f"{groups.dims}: pipeline stages are not supported by this engine yet; use pipeline=1"
+        )
+    if groups.dims.tensor == 1:
+        return {}
+    meta = [name for name, p in module.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"tensor slicing cuts the model's weights, but {meta[0]} (and {len(meta) - 1} more) are on the meta "
+            "device: build the model with its weights (the same on every rank) before initialize"
+        )
+    # The model declares its plan; cutting it is the model package's, which knows the layouts it fuses.
+    from tnlg.modeling.tensor_parallel import apply_tensor_parallel
+
+    return apply_tensor_parallel(module, groups.tensor)
+
+
+def gather_tensor_slices(
+    local: dict[str, torch.Tensor],
+    slices: dict[str, TensorSlice],
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """The whole tensors of the cut parameters (on the CPU), from every tensor rank's slice in `local`
+    (by parameter name). Collective over the tensor group, one parameter at a time, in name order."""
+    whole = {}
+    for name in sorted(slices):
+        piece = local[name].to(device).contiguous()
+        pieces = [torch.empty_like(piece) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, piece, group=group)
+        whole[name] = slices[name].assemble([p.cpu() for p in pieces])
+    return whole
