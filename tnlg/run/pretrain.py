@@ -26,7 +26,8 @@ def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
         settings = stream_config(config.data, config.train.seed, "validation")
         if settings is None:
             return {}
-        rank, world = accelerator.process_index, accelerator.num_processes
+        # by data rank: the ranks of one tensor group evaluate the same batches together
+        rank, world = accelerator.data_parallel_rank, accelerator.data_parallel_size
         stream = TokenStream(settings, tokenizer, config.train.micro_batch_size, rank, world)
         return {"eval_perplexity": batch_perplexity(model, stream, config.train.eval_batches, accelerator)}
 
