@@ -498,31 +498,26 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
                 "labels need the logits of every position: do not combine them with logits_to_keep"
             )
         hidden_states = outputs.last_hidden_state
+        loss = None  # from a loss that never makes the (B, T, V) logits, which are then not returned
         if labels is not None and tensor_parallel.tensor_group(self.lm_head) is not None:
-            # Cut by tnlg's apply_tensor_parallel: a vocabulary-parallel loss on local logits (B, T, V/t),
-            # never gathered, so no logits are returned (as with the fused loss below).
+            # Cut by tnlg's apply_tensor_parallel: a vocabulary-parallel loss on local logits (B, T, V/t).
             loss = tensor_parallel.vocab_parallel_causal_lm_loss(
                 self.lm_head, hidden_states, labels,
                 num_items_in_batch=kwargs.get("num_items_in_batch"), shift_labels=kwargs.get("shift_labels"),
             )  # fmt: skip
-            return CausalLMOutputWithPast(
-                loss=loss,
-                past_key_values=outputs.past_key_values,
-                hidden_states=outputs.hidden_states,
-                attentions=outputs.attentions,
-            )
-        if (
+        elif (
             labels is not None
             and fused_ops.use_triton(self.config.fused_kernels, hidden_states)
             and is_plain_linear(self.lm_head)
         ):
-            # The LM head and its loss chunk by chunk: the (B, T, V) logits are never made. A wrapped
-            # head (LoRA, modules_to_save) is called below instead: the kernel reads only the weight.
+            # The LM head and its loss chunk by chunk. A wrapped head (LoRA, modules_to_save) is called
+            # below instead: the kernel reads only the weight.
             targets = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # position t predicts t + 1
             loss = fused_ops.linear_cross_entropy(
                 hidden_states.reshape(-1, hidden_states.shape[-1]), self.lm_head.weight, targets.reshape(-1),
                 num_items=kwargs.get("num_items_in_batch"), choice=self.config.fused_kernels,
             )  # fmt: skip
+        if loss is not None:
             return CausalLMOutputWithPast(
                 loss=loss,
                 past_key_values=outputs.past_key_values,
