@@ -1,4 +1,4 @@
-"""Sharded engine checkpoints that load at any world size and any stage.
+"""Sharded engine checkpoints that load at any world size, stage and tensor-slicing degree.
 
 Every writer puts an engine checkpoint in a directory named `engine` (`ENGINE_DIRECTORY`) inside its
 own checkpoint directory (a run's `step-N/`, `ZeroAccelerator.save_state`'s directory, a ZeroTrainer
@@ -20,16 +20,43 @@ those with safetensors slicing: a checkpoint written by N ranks at stage S loads
 stage T directly, optimizer state included. Parameters are matched by name, so the param groups
 and bucket sizes may differ too; missing, unexpected or re-shaped parameters are errors that name them.
 
-The engine is reached through `EngineState` (engine_state.py): this module does not import the engine,
+[Note: sliced checkpoints]
+With tensor slicing (and, when built, pipeline stages) every tensor rank holds different slices under
+the same parameter names, so each tensor rank's data group writes a complete checkpoint of its LOCAL
+slices, in the layout above, into a sub-checkpoint of its own, and global rank 0 writes the top
+manifest last (the commit point: it is removed when a save begins, so a crash leaves none):
+
+    DIR/manifest.json          by global rank 0, last: world_size (global), stage, step, loss scaler,
+                               param_groups as above; "layout" {"tensor": T, "pipeline": 1, "data": D};
+                               "parts" [{"directory", "tensor_rank", "pipeline_stage", "sha256" of its
+                               manifest}], one per tensor rank; "slices" {name: {"dim", "parts" (3 for a
+                               fused [q; k; v]), "shape" (the full shape)}} for every sliced parameter;
+                               "unmanaged" (rank 0's frozen parameters and buffers)
+    DIR/config.json            the model's config (for consolidation)
+    DIR/tensor-00/             tensor rank 0's sub-checkpoint: manifest.json (world_size = D) and
+                               rank-0000d.safetensors, exactly the format of whole parameters
+    DIR/tensor-01/ ...         (a pipeline stage p > 0 would be `pipeline-0p-tensor-0r/`; the
+                               manifest names each part's directory and coordinates, readers follow it)
+
+A checkpoint without slicing keeps the format of whole parameters (no "parts"), and is read as one part
+of tensor degree 1. Loading at any layout (`SavedCheckpoint.read`): each flat range of a parameter a
+rank owns in its own slice maps to runs of the full tensor, then to (saved tensor rank, position in
+its slice) (see [Note: slice runs] in slice_runs.py), then to that part's data-rank segments as
+above: every rank reads only (about) what it holds. Replicated parameters come from tensor rank 0's
+part; Adam's moments follow the master, its step comes from part 0. Every manifest is read and
+checked (each part's sha256, its parameters' local shapes against the full shapes and slices) on
+every rank before anything is restored, and the ranks of the whole world agree on any error.
+
+The reading half (manifests and their checks, `ShardReader`, `SavedCheckpoint`) is checkpoint_files.py;
+its names are re-exported here. The engine is reached through `EngineState` (engine_state.py): this module does not import the engine,
 which imports it.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,29 +64,53 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-# One reader of safetensors files for every checkpoint kind (errors that name the file, one hashing
-# routine); the package `tnlg.modeling` is always imported before this one, by `tnlg` itself.
-from tnlg.modeling.loading import CheckpointFileError, open_safetensors, sha256_of
+from tnlg.modeling.loading import sha256_of
 
+from .checkpoint_files import (
+    FORMAT_VERSION,
+    MANIFEST,
+    UNMANAGED_PREFIX,
+    CheckpointError,
+    SavedCheckpoint,
+    SavedParam,
+    ShardReader,
+    is_sliced,
+    rank_file,
+    read_manifest,
+    saved_params,
+    tnlg_version,
+)
 from .collectives import Collectives
 from .engine_state import EngineState
-from .json_files import read_json, write_json_atomic
+from .json_files import write_json_atomic
+from .slice_runs import Cut
+
+__all__ = [  # the checkpoint names callers import from here, wherever they are defined
+    "ENGINE_DIRECTORY",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "UNMANAGED_PREFIX",
+    "CheckpointError",
+    "SavedCheckpoint",
+    "SavedParam",
+    "ShardReader",
+    "TensorLayout",
+    "engine_directory",
+    "is_sliced",
+    "load_engine",
+    "rank_file",
+    "read_manifest",
+    "read_on_every_rank",
+    "save_engine",
+    "saved_params",
+    "tensor_layout",
+    "tnlg_version",
+]
 
 T = TypeVar("T")
 ENGINE_DIRECTORY = "engine"  # the engine checkpoint's name inside every checkpoint directory
 # ZeroTrainer's name for it before the layouts were made one: refused with the rename, never ignored.
 OLD_TRAINER_DIRECTORY = "zero"
-MANIFEST = "manifest.json"
-FORMAT_VERSION = 2
-UNMANAGED_PREFIX = "module."  # rank 0's file: frozen parameters and buffers, as the module holds them
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: missing or corrupt files, or one of another model."""
-
-
-def rank_file(directory: Path, rank: int) -> Path:
-    return directory / f"rank-{rank:05d}.safetensors"
 
 
 def engine_directory(checkpoint: str | Path) -> Path:
@@ -74,13 +125,6 @@ def engine_directory(checkpoint: str | Path) -> Path:
             f"(mv {old} {found}; its files are unchanged) and load again"
         )
     return found
-
-
-def tnlg_version() -> str:
-    try:
-        return metadata.version("tnlg")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 # ---------------------------------------------------------------------------------------------- saving
@@ -114,9 +158,102 @@ def _unmanaged_state(engine: EngineState) -> dict[str, torch.Tensor]:
     }
 
 
-def save_engine(engine: EngineState, directory: str | Path) -> None:
-    """Every rank writes its shard into `directory`; rank 0 writes the manifest last. Collective."""
+@dataclass(frozen=True)
+class TensorLayout:
+    """How a saving or loading engine is cut by tensor slicing (see [Note: sliced checkpoints]): its
+    tensor degree and rank, the cut of every sliced parameter by name, and the collectives of the
+    whole world (the engine's own are its data group's)."""
+
+    degree: int
+    rank: int
+    cuts: dict[str, Cut]
+    world: Collectives
+    pipeline_stage: int = 0
+
+    @property
+    def part(self) -> str:
+        """This rank's sub-checkpoint directory (pipeline stages, when built, add their coordinate)."""
+        return (
+            f"tensor-{self.rank:02d}"
+            if self.pipeline_stage == 0
+            else (f"pipeline-{self.pipeline_stage:02d}-tensor-{self.rank:02d}")
+        )
+
+
+def tensor_layout(parallel: Any, tensor_slices: dict[str, Any]) -> TensorLayout | None:
+    """The engine's `TensorLayout` from its `ParallelGroups` and {name: TensorSlice}; None without slicing."""
+    if parallel is None or not tensor_slices:
+        return None
+    return TensorLayout(
+        degree=parallel.dims.tensor,
+        rank=parallel.rank("tensor"),
+        cuts={name: Cut(s.dim, s.parts) for name, s in tensor_slices.items()},
+        world=Collectives(),
+        pipeline_stage=parallel.rank("pipeline") if parallel.dims.pipeline > 1 else 0,
+    )
+
+
+def save_engine(engine: EngineState, directory: str | Path, tensor: TensorLayout | None = None) -> None:
+    """Every rank writes its shard into `directory`; rank 0 writes the manifest last. Collective (over the
+    world with `tensor` slicing: each tensor rank's data group writes its sub-checkpoint)."""
     directory = Path(directory)
+    if tensor is None:
+        _save_part(engine, directory, top=True)
+        return
+    world = tensor.world
+    if world.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        # The manifest is the commit point: an older one must not vouch for files being rewritten.
+        (directory / MANIFEST).unlink(missing_ok=True)
+    _barrier(world)
+    sha256 = _save_part(engine, directory / tensor.part, top=False)
+    part = None
+    if sha256 is not None:
+        part = {
+            "directory": tensor.part,
+            "pipeline_stage": tensor.pipeline_stage,
+            "tensor_rank": tensor.rank,
+            "sha256": sha256,
+        }
+    parts = world.all_gather_object(part)
+    if world.rank == 0:
+        part_manifests = [p for p in parts if p is not None]  # one per sub-checkpoint: its data rank 0's
+        part_manifests.sort(key=lambda p: (p["pipeline_stage"], p["tensor_rank"]))
+        shapes = {}
+        for name, cut in tensor.cuts.items():
+            local = next(
+                (slot.shape for group in engine.groups for slot in group.layout.slots if slot.name == name),
+                None,
+            )
+            if local is None:  # a frozen sliced parameter: the module holds it
+                local = tuple(engine.module.get_parameter(name).shape)
+            full = list(local)
+            full[cut.dim] *= tensor.degree
+            shapes[name] = {"dim": cut.dim, "parts": cut.parts, "shape": full}
+        config = getattr(engine.module, "config", None)
+        if config is not None and hasattr(config, "to_json_string"):
+            (directory / "config.json").write_text(config.to_json_string())
+        optimizer = engine.base_optimizer
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "tnlg_version": tnlg_version(),
+            "world_size": world.world_size,
+            **engine.checkpoint_state(),
+            "optimizer": type(optimizer).__name__,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+            "layout": {"tensor": tensor.degree, "pipeline": 1, "data": engine.collectives.world_size},
+            "parts": part_manifests,
+            "slices": shapes,
+            "unmanaged": sorted(_unmanaged_state(engine)),
+        }
+        write_json_atomic(directory / MANIFEST, manifest, indent=2, default=str)
+    _barrier(world)
+
+
+def _save_part(engine: EngineState, directory: Path, top: bool) -> str | None:
+    """The engine's data group writes a checkpoint of its shards in `directory`, its rank 0 the manifest
+    last; `top` False: a sub-checkpoint (no config.json). Returns, on data rank 0 of a sub-checkpoint,
+    its manifest's sha256 (which the top manifest records)."""
     collectives = engine.collectives
     rank = collectives.rank
     if rank == 0:
@@ -139,195 +276,44 @@ def save_engine(engine: EngineState, directory: str | Path) -> None:
     _fsync(path)
     record = {path.name: {"sha256": sha256_of(path), "bytes": path.stat().st_size}}
     records = collectives.all_gather_object(record)
-    if rank == 0:
-        config = getattr(engine.module, "config", None)
-        if config is not None and hasattr(config, "to_json_string"):
-            (directory / "config.json").write_text(config.to_json_string())
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "tnlg_version": tnlg_version(),
-            "world_size": collectives.world_size,
-            **engine.checkpoint_state(),  # stage, mixed precision, global steps, loss scaler
-            "optimizer": type(optimizer).__name__,
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-            "groups": group_manifest(engine),
-            "unmanaged": sorted(_unmanaged_state(engine)),
-            "files": {name: info for r in records for name, info in r.items()},
-        }
-        # The manifest appears only once every file is complete.
-        write_json_atomic(directory / MANIFEST, manifest, indent=2, default=str)
+    if rank != 0:
+        _barrier(collectives)
+        return None
+    config = getattr(engine.module, "config", None)
+    if top and config is not None and hasattr(config, "to_json_string"):
+        (directory / "config.json").write_text(config.to_json_string())
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "tnlg_version": tnlg_version(),
+        "world_size": collectives.world_size,
+        **engine.checkpoint_state(),  # stage, mixed precision, global steps, loss scaler
+        "optimizer": type(optimizer).__name__,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "groups": group_manifest(engine),
+        "unmanaged": sorted(_unmanaged_state(engine)),
+        "files": {name: info for r in records for name, info in r.items()},
+    }
+    # The manifest appears only once every file is complete.
+    write_json_atomic(directory / MANIFEST, manifest, indent=2, default=str)
     _barrier(collectives)
-
-
-# ---------------------------------------------------------------------------------------------- reading
-def read_manifest(directory: str | Path) -> dict[str, Any]:
-    path = Path(directory) / MANIFEST
-    # Written last: a missing one is a checkpoint cut short, or a directory that is not one.
-    manifest = read_json(path, CheckpointError, "the engine checkpoint's manifest")
-    if not isinstance(manifest, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(manifest).__name__}, not an engine manifest")
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path}: checkpoint format {version!r}, this tnlg ({tnlg_version()}) reads format {FORMAT_VERSION}"
-        )
-    _check_manifest(path, manifest)
-    return manifest
-
-
-# The manifest's fields every reader uses, and their JSON types.
-MANIFEST_FIELDS = {
-    "world_size": int,
-    "stage": int,
-    "global_steps": int,
-    "loss_scaler": dict,
-    "param_groups": list,
-    "groups": list,
-    "files": dict,
-}
-
-
-def _check_manifest(path: Path, manifest: dict[str, Any]) -> None:
-    """Refuse a manifest that parses but lacks what loading and consolidation read (written by hand, cut
-    short and closed, or of another tool) with an error naming it, not a KeyError deep in a load."""
-    wrong = [
-        f"{name} ({'absent' if name not in manifest else type(manifest[name]).__name__}, expected {kind.__name__})"
-        for name, kind in MANIFEST_FIELDS.items()
-        if not isinstance(manifest.get(name), kind) or isinstance(manifest.get(name), bool)
-    ]
-    if not wrong and manifest["world_size"] < 1:
-        wrong.append(f"world_size ({manifest['world_size']}, expected >= 1)")
-    if wrong:
-        raise CheckpointError(f"{path} is incomplete or damaged: " + ", ".join(wrong))
-    files = manifest["files"]
-    bad_files = [
-        name
-        for name, entry in files.items()
-        if not (
-            isinstance(entry, dict)
-            and isinstance(entry.get("sha256"), str)
-            and isinstance(entry.get("bytes"), int)
-        )
-    ]
-    if bad_files:
-        raise CheckpointError(
-            f"{path} is damaged: the entries of {bad_files[:5]} need a sha256 and a size in bytes"
-        )
-    try:
-        saved_params(manifest)
-    except (KeyError, TypeError, IndexError, ValueError) as error:
-        raise CheckpointError(
-            f"{path} is damaged: its parameter layout cannot be read ({error!r})"
-        ) from error
-
-
-@dataclass(frozen=True)
-class SavedParam:
-    """Where a saved parameter's elements are (see [Note: reshaping])."""
-
-    group: int
-    shape: tuple[int, ...]
-    offset: int  # in its unit
-    piece: int  # elements per rank piece of its unit
-    shard_offset: int  # the unit's start in every rank's shard
-
-    @property
-    def numel(self) -> int:
-        return int(torch.Size(self.shape).numel())
-
-    def segments(self, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
-        """(saved rank, position in its shard, position in the flattened parameter, length) covering
-        elements [start, end) of the parameter."""
-        position = self.offset + start
-        while position < self.offset + end:
-            rank = position // self.piece
-            stop = min(self.offset + end, (rank + 1) * self.piece)
-            yield (
-                rank,
-                self.shard_offset + position - rank * self.piece,
-                position - self.offset,
-                stop - position,
-            )
-            position = stop
-
-
-def saved_params(manifest: dict[str, Any]) -> dict[str, SavedParam]:
-    found = {}
-    for index, group in enumerate(manifest["groups"]):
-        for param in group["params"]:
-            unit = group["units"][param["unit"]]
-            found[param["name"]] = SavedParam(
-                index, tuple(param["shape"]), param["offset"], unit["piece"], unit["shard_offset"]
-            )
-    return found
-
-
-class ShardReader:
-    """Slices of a checkpoint's rank files, each file opened (and checksummed) once, on first use."""
-
-    def __init__(self, directory: str | Path, manifest: dict[str, Any], verify: bool = True):
-        self.directory = Path(directory)
-        self.manifest = manifest
-        self.verify = verify
-        self._open: dict[int, Any] = {}
-
-    def file(self, rank: int):
-        if rank not in self._open:
-            path = rank_file(self.directory, rank)
-            expected = self.manifest["files"].get(path.name)
-            if expected is None:
-                raise CheckpointError(f"{path.name} is not listed in {self.directory / MANIFEST}")
-            if not path.is_file():
-                raise CheckpointError(f"{path} is missing from the checkpoint")
-            size = path.stat().st_size
-            if size != expected["bytes"]:
-                raise CheckpointError(
-                    f"{path} is {size} bytes, the manifest says {expected['bytes']}: truncated?"
-                )
-            if self.verify:
-                self.check_sha256(rank)
-            try:
-                self._open[rank] = open_safetensors(path)
-            except CheckpointFileError as error:  # the engine's ranks agree on CheckpointError
-                raise CheckpointError(str(error)) from error
-        return self._open[rank]
-
-    def check_sha256(self, rank: int) -> None:
-        path = rank_file(self.directory, rank)
-        expected = self.manifest["files"].get(path.name)
-        if expected is None or not path.is_file():
-            self.file(rank)  # raises, naming what is missing
-        if sha256_of(path) != expected["sha256"]:
-            raise CheckpointError(f"{path}: sha256 differs from the manifest's: the file is corrupt")
-
-    def keys(self, rank: int) -> set[str]:
-        return set(self.file(rank).keys())
-
-    def read(self, rank: int, key: str, start: int, length: int) -> torch.Tensor:
-        return self.file(rank).get_slice(key)[start : start + length]
-
-    def tensor(self, rank: int, key: str) -> torch.Tensor:
-        return self.file(rank).get_tensor(key)
-
-    def full_param(self, name: str, saved: SavedParam, key: str = "master") -> torch.Tensor:
-        """A whole parameter (`key` "master" or an optimizer state such as "state.exp_avg"), fp32."""
-        flat = torch.empty(saved.numel, dtype=torch.float32)
-        for rank, at, position, length in saved.segments(0, saved.numel):
-            flat[position : position + length] = self.read(rank, f"group{saved.group}.{key}", at, length)
-        return flat.view(saved.shape)
+    return None if top else sha256_of(directory / MANIFEST)
 
 
 # ---------------------------------------------------------------------------------------------- loading
-def load_engine(engine: EngineState, directory: str | Path, verify: bool = True) -> dict[str, Any]:
+def load_engine(
+    engine: EngineState, directory: str | Path, verify: bool = True, tensor: TensorLayout | None = None
+) -> dict[str, Any]:
     """Restore this rank's shard (master weights, optimizer state), the step and the loss scale from a
-    checkpoint saved at any world size and stage. `verify` checks the sha256 of each file read.
+    checkpoint saved at any world size, stage and tensor degree (`tensor`: this engine's slicing, None
+    without). `verify` checks the sha256 of each file read.
 
-    Every rank reads into new tensors first; only when all ranks have read theirs without error is
-    anything replaced, so a damaged checkpoint raises the same `CheckpointError` on every rank (no
-    rank is left waiting in a collective) and leaves the engine as it was."""
+    Every rank reads into new tensors first; only when all ranks (of the world, with slicing) have read
+    theirs without error is anything replaced, so a damaged checkpoint raises the same `CheckpointError`
+    on every rank (no rank is left waiting in a collective) and leaves the engine as it was."""
     directory = Path(directory)
-    manifest, loaded, reader = read_on_every_rank(
-        engine.collectives, lambda: _read_shard(engine, directory, verify)
+    agree = tensor.world if tensor is not None else engine.collectives
+    manifest, loaded, saved = read_on_every_rank(
+        agree, lambda: _read_shard(engine, directory, verify, tensor, agree)
     )
     optimizer = engine.base_optimizer
     for group_index, (group, (master, state, hyperparameters)) in enumerate(
@@ -338,28 +324,38 @@ def load_engine(engine: EngineState, directory: str | Path, verify: bool = True)
             optimizer.state[group.master] = state
         optimizer.param_groups[group_index].update(hyperparameters)
         group.write_back()
-    _load_unmanaged(engine, reader, manifest)
+    _load_unmanaged(engine, saved, tensor)
     engine.restore_checkpoint_state(manifest)
     return manifest
 
 
 def _read_shard(
-    engine: EngineState, directory: Path, verify: bool
-) -> tuple[dict[str, Any], list[tuple], ShardReader]:
+    engine: EngineState, directory: Path, verify: bool, tensor: TensorLayout | None, agree: Collectives
+) -> tuple[dict[str, Any], list[tuple], SavedCheckpoint]:
     """This rank's (master, optimizer state, hyperparameters) per param group, read without
     communicating and without touching the engine."""
-    manifest = read_manifest(directory)
-    saved = saved_params(manifest)
-    live = {slot.name: (group, slot) for group in engine.groups for slot in group.layout.slots}
-    _check_same_parameters(directory, saved, live)
     # Opening checks sizes only: each file's sha256 is computed once, by one rank, below (every
     # rank hashing every file it reads from would hash rank 0's file on all of them).
-    reader = ShardReader(directory, manifest, verify=False)
+    saved = SavedCheckpoint(directory, verify=False)
+    manifest = saved.manifest
+    cuts = tensor.cuts if tensor is not None else {}
+    degree, tensor_rank = (tensor.degree, tensor.rank) if tensor is not None else (1, 0)
+    live = {slot.name: (group, slot) for group in engine.groups for slot in group.layout.slots}
+    live_shapes = {}
+    for name, (_, slot) in live.items():
+        cut = cuts.get(name)
+        live_shapes[name] = tuple(
+            n * degree if cut is not None and d == cut.dim else n for d, n in enumerate(slot.shape)
+        )
+    _check_same_parameters(directory, saved.shapes, live_shapes)
+    for name in live:
+        saved.cut(name, cuts.get(name))  # the same cut on both sides, where both cut it
+    first = saved.parts[0]
+    rank0_keys = first.reader.keys(0)
     optimizer = engine.base_optimizer
-    rank0_keys = reader.keys(0)
     loaded = []
     for group_index, group in enumerate(engine.groups):
-        sources = {saved[slot.name].group for slot in group.layout.slots}
+        sources = {first.params[slot.name].group for slot in group.layout.slots}
         if len(sources) != 1:
             raise CheckpointError(
                 f"{directory}: the parameters of param group {group_index} were in saved groups {sorted(sources)}: "
@@ -379,17 +375,15 @@ def _read_shard(
             if owned is None:
                 continue
             start, end, at = owned
-            for rank, saved_at, position, length in saved[slot.name].segments(start, end):
-                here = at + position - start
-                for key, target in targets.items():
-                    target[here : here + length].copy_(
-                        reader.read(rank, f"group{source}.{key}", saved_at, length)
-                    )
+            for key, target in targets.items():
+                target[at : at + end - start].copy_(
+                    saved.read(slot.name, key, start, end, cuts.get(slot.name), degree, tensor_rank)
+                )
         for key in sorted(k for k in saved_keys if k.startswith("scalar.")):
             name = key.removeprefix("scalar.")
             reference = optimizer.state.get(group.master, {}).get(name)
             device = reference.device if reference is not None else _scalar_state_device(optimizer, group)
-            state[name] = reader.tensor(0, f"group{source}.{key}").reshape(()).to(device)
+            state[name] = first.reader.tensor(0, f"group{source}.{key}").reshape(()).to(device)
         live_group = optimizer.param_groups[group_index]
         hyperparameters = {
             key: value
@@ -398,19 +392,22 @@ def _read_shard(
         }
         loaded.append((master, state, hyperparameters))
     if verify:  # every saved file is hashed by one rank; read_on_every_rank makes any mismatch fail all
-        collectives = engine.collectives
-        for rank in range(collectives.rank, manifest["world_size"], collectives.world_size):
-            reader.check_sha256(rank)
-    return manifest, loaded, reader
+        files = saved.files()
+        for part, rank in files[agree.rank :: agree.world_size]:
+            saved.parts[part].reader.check_sha256(rank)
+    return manifest, loaded, saved
 
 
-def _check_same_parameters(directory: Path, saved: dict[str, SavedParam], live: dict[str, Any]) -> None:
+def _check_same_parameters(
+    directory: Path, saved: dict[str, tuple[int, ...]], live: dict[str, tuple[int, ...]]
+) -> None:
+    """The same parameter names, and the same full shapes (whole tensors, whatever the slicing)."""
     missing = sorted(set(live) - set(saved))
     unexpected = sorted(set(saved) - set(live))
     reshaped = sorted(
-        f"{name}: saved {list(saved[name].shape)}, model {list(slot.shape)}"
-        for name, (_, slot) in live.items()
-        if name in saved and tuple(slot.shape) != saved[name].shape
+        f"{name}: saved {list(saved[name])}, model {list(shape)}"
+        for name, shape in live.items()
+        if name in saved and tuple(shape) != tuple(saved[name])
     )
     if missing or unexpected or reshaped:
         problems = []
@@ -427,12 +424,14 @@ def _scalar_state_device(optimizer: torch.optim.Optimizer, group) -> torch.devic
     return group.master.device if fused else torch.device("cpu")
 
 
-def _load_unmanaged(engine: EngineState, reader: ShardReader, manifest: dict[str, Any]) -> None:
+def _load_unmanaged(engine: EngineState, saved: SavedCheckpoint, tensor: TensorLayout | None) -> None:
     current = _unmanaged_state(engine)
-    for name in manifest.get("unmanaged", []):
+    cuts = tensor.cuts if tensor is not None else {}
+    degree, rank = (tensor.degree, tensor.rank) if tensor is not None else (1, 0)
+    for name in saved.unmanaged:
         if name in current:
             with torch.no_grad():
-                current[name].copy_(reader.tensor(0, UNMANAGED_PREFIX + name))
+                current[name].copy_(saved.unmanaged_tensor(name, cuts.get(name), degree, rank))
 
 
 # ---------------------------------------------------------------------------------------------- helpers

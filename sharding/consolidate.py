@@ -1,4 +1,4 @@
-"""Offline consolidation: an engine checkpoint (any world size, any stage) → one model's tensors.
+"""Offline consolidation: an engine checkpoint (any world size, stage, tensor degree) → one model's tensors.
 
     consolidate(checkpoint_dir, output_dir, max_shard_size="5GB", dtype=torch.bfloat16)
 
@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from tnlg.modeling.loading import remove_weight_files, write_checksums
 
-from .checkpoint import UNMANAGED_PREFIX, CheckpointError, ShardReader, read_manifest, saved_params
+from .checkpoint import UNMANAGED_PREFIX, CheckpointError, SavedCheckpoint
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -83,30 +83,29 @@ def consolidate(
 
 class _SavedTensors:
     """The checkpoint's tensors by their module names, each assembled on demand from the rank files'
-    slices: the sharded parameters from their fp32 masters, the rest from rank 0's file."""
+    slices: the sharded parameters from their fp32 masters, the rest from rank 0's file; with tensor
+    slicing, from every tensor rank's sub-checkpoint (see [Note: sliced checkpoints] in checkpoint.py)."""
 
     def __init__(self, checkpoint: Path, dtype: torch.dtype | None, verify: bool):
-        manifest = read_manifest(checkpoint)
-        self.reader = ShardReader(checkpoint, manifest, verify)
-        self.params = saved_params(manifest)
-        self.names = [*self.params, *manifest.get("unmanaged", [])]
+        self.saved = SavedCheckpoint(checkpoint, verify)
+        self.names = [*self.saved.names, *self.saved.unmanaged]
         self.dtype = dtype
 
     def read(self, name: str) -> torch.Tensor:
-        if name in self.params:
-            value = self.reader.full_param(name, self.params[name])
+        if name in self.saved.shapes:
+            value = self.saved.full_param(name)
         else:
-            value = self.reader.tensor(0, UNMANAGED_PREFIX + name)
+            value = self.saved.unmanaged_tensor(name)
         return value.to(self.dtype) if self.dtype is not None and value.is_floating_point() else value
 
     def nbytes(self, name: str) -> int:
-        """What `read(name)` will hold, from the manifest and the file headers alone."""
+        """What `read(name)` will hold, from the manifests and the file headers alone."""
         dtype_bytes = torch.finfo(self.dtype).bits // 8 if self.dtype is not None else None
-        if name in self.params:
-            return self.params[name].numel * (dtype_bytes or 4)
-        sliced = self.reader.file(0).get_slice(UNMANAGED_PREFIX + name)
+        if name in self.saved.shapes:
+            return self.saved.numel(name) * (dtype_bytes or 4)
+        sliced = self.saved.parts[0].reader.file(0).get_slice(UNMANAGED_PREFIX + name)
         element = dtype_bytes or _element_size(sliced.get_dtype())
-        return int(torch.Size(sliced.get_shape()).numel()) * element
+        return int(torch.Size(self.saved.unmanaged_shape(name)).numel()) * element
 
 
 def _pack(names: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import load_engine, save_engine
+from .checkpoint import load_engine, save_engine, tensor_layout
 from .collectives import Collectives, CommStats
 from .config import ZeroConfig
 from .deepspeed import (
@@ -154,15 +154,6 @@ class ZeroEngine(nn.Module):
         micro-batches and the data-parallel ranks. See schedule.py."""
         self._require_optimizer("train_batch")
         return train_batch(self, micro_batches)
-
-    def _require_whole_parameters(self, action: str) -> None:
-        # The checkpoint layout names each parameter once; tensor slices of one name on several ranks
-        # would overwrite each other. Until the layout records slices, refuse rather than lose data.
-        if self.tensor_slices:
-            raise ValueError(
-                f"{action} with tensor slicing ({self.parallel.dims}) is not supported yet: engine checkpoints "
-                "hold whole parameters; save full_state_dict() (consolidated) instead"
-            )
 
     def _require_optimizer(self, action: str) -> None:
         self._require_open(action)
@@ -365,26 +356,29 @@ class ZeroEngine(nn.Module):
         self.global_steps = int(manifest["global_steps"])
 
     def save_checkpoint(self, directory: str | Path) -> None:
-        """Every rank writes its own shard (fp32 master + optimizer state) to `directory`. Collective."""
+        """Every rank writes its own shard (fp32 master + optimizer state) to `directory`; with tensor
+        slicing, each tensor rank's data group a sub-checkpoint of its slices (see [Note: sliced
+        checkpoints] in checkpoint.py). Collective."""
         self._require_optimizer("save_checkpoint")
-        self._require_whole_parameters("save_checkpoint")
         steps = self.batch_sizes.gradient_accumulation_steps
         if self.micro_steps % steps:
             raise RuntimeError(
                 f"save_checkpoint inside an accumulation window ({self.micro_steps % steps} of {steps} "
                 "micro-steps accumulated): their gradients are not saved; save after the boundary's step()"
             )
-        if self.lr_scheduler is not None and self.collectives.rank == 0:
+        tensor = tensor_layout(self.parallel, self.tensor_slices)
+        first = tensor.world.rank == 0 if tensor is not None else self.collectives.rank == 0
+        if self.lr_scheduler is not None and first:
             save_scheduler_state(self.lr_scheduler, Path(directory))  # before the manifest, written last
-        save_engine(self, directory)
+        save_engine(self, directory, tensor)
 
     def load_checkpoint(self, directory: str | Path, verify: bool = True) -> dict[str, Any]:
-        """This rank's shard from a checkpoint saved at any world size and stage (see [Note: reshaping] in
-        checkpoint.py); `verify` checks the files' sha256. Returns the manifest."""
+        """This rank's shard from a checkpoint saved at any world size, stage and tensor degree (see [Note:
+        reshaping] and [Note: sliced checkpoints] in checkpoint.py); `verify` checks the files' sha256.
+        Returns the manifest."""
         self._require_optimizer("load_checkpoint")
-        self._require_whole_parameters("load_checkpoint")
         schedule = read_scheduler_state(self.lr_scheduler, Path(directory))
-        manifest = load_engine(self, directory, verify=verify)
+        manifest = load_engine(self, directory, verify, tensor_layout(self.parallel, self.tensor_slices))
         if schedule is not None:
             self.lr_scheduler.load_state_dict(schedule)
         self.micro_steps = 0  # checkpoints are saved at accumulation boundaries

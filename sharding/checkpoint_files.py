@@ -1,0 +1,413 @@
+"""Reading engine checkpoints: the manifests and their checks, and the rank files' slices of any
+parameter at any tensor degree (`SavedCheckpoint`). The format is described in checkpoint.py
+([Note: reshaping], [Note: sliced checkpoints]), which saves and loads engines and re-exports these names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# One reader of safetensors files for every checkpoint kind (errors that name the file, one hashing
+# routine); the package `tnlg.modeling` is always imported before this one, by `tnlg` itself.
+from tnlg.modeling.loading import CheckpointFileError, open_safetensors, sha256_of
+
+from .json_files import read_json
+from .slice_runs import Cut, divides, local_shape, runs
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 2
+UNMANAGED_PREFIX = "module."  # rank 0's file: frozen parameters and buffers, as the module holds them
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: missing or corrupt files, or one of another model."""
+
+
+def rank_file(directory: Path, rank: int) -> Path:
+    return directory / f"rank-{rank:05d}.safetensors"
+
+
+def tnlg_version() -> str:
+    try:
+        return metadata.version("tnlg")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST
+    # Written last: a missing one is a checkpoint cut short, or a directory that is not one.
+    manifest = read_json(path, CheckpointError, "the engine checkpoint's manifest")
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(manifest).__name__}, not an engine manifest")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: checkpoint format {version!r}, this tnlg ({tnlg_version()}) reads format {FORMAT_VERSION}"
+        )
+    _check_manifest(path, manifest)
+    return manifest
+
+
+# The manifest's fields every reader uses, and their JSON types: in every manifest, then in one of a
+# checkpoint of whole parameters (or a sub-checkpoint), then in one of a sliced checkpoint's top.
+MANIFEST_FIELDS = {
+    "world_size": int,
+    "stage": int,
+    "global_steps": int,
+    "loss_scaler": dict,
+    "param_groups": list,
+}
+WHOLE_FIELDS = {"groups": list, "files": dict}
+SLICED_FIELDS = {"layout": dict, "parts": list, "slices": dict}
+
+
+def is_sliced(manifest: dict[str, Any]) -> bool:
+    """Whether a manifest is a tensor-sliced checkpoint's top (see [Note: sliced checkpoints])."""
+    return "parts" in manifest
+
+
+def _check_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Refuse a manifest that parses but lacks what loading and consolidation read (written by hand, cut
+    short and closed, or of another tool) with an error naming it, not a KeyError deep in a load."""
+    fields = {**MANIFEST_FIELDS, **(SLICED_FIELDS if is_sliced(manifest) else WHOLE_FIELDS)}
+    wrong = [
+        f"{name} ({'absent' if name not in manifest else type(manifest[name]).__name__}, expected {kind.__name__})"
+        for name, kind in fields.items()
+        if not isinstance(manifest.get(name), kind) or isinstance(manifest.get(name), bool)
+    ]
+    if not wrong and manifest["world_size"] < 1:
+        wrong.append(f"world_size ({manifest['world_size']}, expected >= 1)")
+    if wrong:
+        raise CheckpointError(f"{path} is incomplete or damaged: " + ", ".join(wrong))
+    if is_sliced(manifest):
+        _check_sliced_manifest(path, manifest)
+        return
+    files = manifest["files"]
+    bad_files = [
+        name
+        for name, entry in files.items()
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("sha256"), str)
+            and isinstance(entry.get("bytes"), int)
+        )
+    ]
+    if bad_files:
+        raise CheckpointError(
+            f"{path} is damaged: the entries of {bad_files[:5]} need a sha256 and a size in bytes"
+        )
+    try:
+        saved_params(manifest)
+    except (KeyError, TypeError, IndexError, ValueError) as error:
+        raise CheckpointError(
+            f"{path} is damaged: its parameter layout cannot be read ({error!r})"
+        ) from error
+
+
+def _check_sliced_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    def integer(value: Any, low: int = 0) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+    layout, parts, slices = manifest["layout"], manifest["parts"], manifest["slices"]
+    problems = []
+    if not (integer(layout.get("tensor"), 1) and layout.get("pipeline") == 1):
+        problems.append(f"layout {layout} (expected a tensor degree >= 1 and pipeline 1)")
+    elif sorted(p.get("tensor_rank") for p in parts if isinstance(p, dict)) != list(range(layout["tensor"])):
+        problems.append(f"parts: expected one sub-checkpoint per tensor rank 0..{layout['tensor'] - 1}")
+    for part in parts:
+        if not (
+            isinstance(part, dict)
+            and isinstance(part.get("directory"), str)
+            and re.fullmatch(r"[A-Za-z0-9_-]+", part["directory"])  # a name inside the checkpoint only
+            and integer(part.get("tensor_rank"))
+            and part.get("pipeline_stage") == 0
+            and isinstance(part.get("sha256"), str)
+        ):
+            problems.append(
+                f"part {part!r} (expected a directory name, tensor_rank, pipeline_stage 0, sha256)"
+            )
+    for name, entry in slices.items():
+        if not (
+            isinstance(entry, dict)
+            and integer(entry.get("dim"))
+            and entry.get("parts") in (1, 3)
+            and isinstance(entry.get("shape"), list)
+            and all(integer(n) for n in entry["shape"])
+            and entry["dim"] < len(entry["shape"])
+        ):
+            problems.append(f"slice of {name} {entry!r} (expected dim, parts 1 or 3, full shape)")
+    if problems:
+        raise CheckpointError(f"{path} is damaged: " + "; ".join(problems[:5]))
+
+
+@dataclass(frozen=True)
+class SavedParam:
+    """Where a saved parameter's elements are (see [Note: reshaping])."""
+
+    group: int
+    shape: tuple[int, ...]
+    offset: int  # in its unit
+    piece: int  # elements per rank piece of its unit
+    shard_offset: int  # the unit's start in every rank's shard
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+    def segments(self, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+        """(saved rank, position in its shard, position in the flattened parameter, length) covering
+        elements [start, end) of the parameter."""
+        position = self.offset + start
+        while position < self.offset + end:
+            rank = position // self.piece
+            stop = min(self.offset + end, (rank + 1) * self.piece)
+            yield (
+                rank,
+                self.shard_offset + position - rank * self.piece,
+                position - self.offset,
+                stop - position,
+            )
+            position = stop
+
+
+def saved_params(manifest: dict[str, Any]) -> dict[str, SavedParam]:
+    found = {}
+    for index, group in enumerate(manifest["groups"]):
+        for param in group["params"]:
+            unit = group["units"][param["unit"]]
+            found[param["name"]] = SavedParam(
+                index, tuple(param["shape"]), param["offset"], unit["piece"], unit["shard_offset"]
+            )
+    return found
+
+
+class ShardReader:
+    """Slices of a checkpoint's rank files, each file opened (and checksummed) once, on first use."""
+
+    def __init__(self, directory: str | Path, manifest: dict[str, Any], verify: bool = True):
+        self.directory = Path(directory)
+        self.manifest = manifest
+        self.verify = verify
+        self._open: dict[int, Any] = {}
+
+    def file(self, rank: int):
+        if rank not in self._open:
+            path = rank_file(self.directory, rank)
+            expected = self.manifest["files"].get(path.name)
+            if expected is None:
+                raise CheckpointError(f"{path.name} is not listed in {self.directory / MANIFEST}")
+            if not path.is_file():
+                raise CheckpointError(f"{path} is missing from the checkpoint")
+            size = path.stat().st_size
+            if size != expected["bytes"]:
+                raise CheckpointError(
+                    f"{path} is {size} bytes, the manifest says {expected['bytes']}: truncated?"
+                )
+            if self.verify:
+                self.check_sha256(rank)
+            try:
+                self._open[rank] = open_safetensors(path)
+            except CheckpointFileError as error:  # the engine's ranks agree on CheckpointError
+                raise CheckpointError(str(error)) from error
+        return self._open[rank]
+
+    def check_sha256(self, rank: int) -> None:
+        path = rank_file(self.directory, rank)
+        expected = self.manifest["files"].get(path.name)
+        if expected is None or not path.is_file():
+            self.file(rank)  # raises, naming what is missing
+        if sha256_of(path) != expected["sha256"]:
+            raise CheckpointError(f"{path}: sha256 differs from the manifest's: the file is corrupt")
+
+    def keys(self, rank: int) -> set[str]:
+        return set(self.file(rank).keys())
+
+    def read(self, rank: int, key: str, start: int, length: int) -> torch.Tensor:
+        return self.file(rank).get_slice(key)[start : start + length]
+
+    def tensor(self, rank: int, key: str) -> torch.Tensor:
+        return self.file(rank).get_tensor(key)
+
+    def full_param(self, name: str, saved: SavedParam, key: str = "master") -> torch.Tensor:
+        """A whole parameter (`key` "master" or an optimizer state such as "state.exp_avg"), fp32."""
+        flat = torch.empty(saved.numel, dtype=torch.float32)
+        for rank, at, position, length in saved.segments(0, saved.numel):
+            flat[position : position + length] = self.read(rank, f"group{saved.group}.{key}", at, length)
+        return flat.view(saved.shape)
+
+
+@dataclass(frozen=True)
+class SavedPart:
+    """One sub-checkpoint (the whole checkpoint, without tensor slicing): its manifest, files, parameters."""
+
+    directory: Path
+    manifest: dict[str, Any]
+    reader: ShardReader
+    params: dict[str, SavedParam]
+
+
+class SavedCheckpoint:
+    """An engine checkpoint opened for reading, with tensor slicing or without (one part of degree 1):
+    each parameter's full shape and saved cut, and reads of any slice of it at any tensor degree (see
+    [Note: slice runs] in slice_runs.py). Manifests are read and checked here; files on first use."""
+
+    def __init__(self, directory: str | Path, verify: bool = True):
+        self.directory = Path(directory)
+        self.manifest = read_manifest(self.directory)
+        if not is_sliced(self.manifest):
+            self.degree, self.cuts = 1, {}
+            self.parts = [self._part(self.directory, self.manifest, verify)]
+            self.shapes = {name: saved.shape for name, saved in self.parts[0].params.items()}
+            return
+        self.degree = self.manifest["layout"]["tensor"]
+        slices = self.manifest["slices"]
+        self.cuts = {name: Cut(entry["dim"], entry["parts"]) for name, entry in slices.items()}
+        self.parts = []
+        for entry in sorted(self.manifest["parts"], key=lambda p: p["tensor_rank"]):
+            sub = self.directory / entry["directory"]
+            if not (sub / MANIFEST).is_file():
+                raise CheckpointError(
+                    f"{sub / MANIFEST} is missing: the checkpoint lacks tensor rank "
+                    f"{entry['tensor_rank']}'s sub-checkpoint"
+                )
+            if sha256_of(sub / MANIFEST) != entry["sha256"]:
+                raise CheckpointError(
+                    f"{sub / MANIFEST}: sha256 differs from the one {self.directory / MANIFEST} records: "
+                    "the sub-checkpoint was changed or belongs to another save"
+                )
+            manifest = read_manifest(sub)
+            if is_sliced(manifest):
+                raise CheckpointError(f"{sub / MANIFEST} is a sliced checkpoint's top, not a sub-checkpoint")
+            self.parts.append(self._part(sub, manifest, verify))
+        first = self.parts[0].params
+        self.shapes = {
+            name: tuple(slices[name]["shape"]) if name in slices else saved.shape
+            for name, saved in first.items()
+        }
+        for name, cut in self.cuts.items():
+            if name in self.shapes and not divides(self.shapes[name], cut, self.degree):
+                raise CheckpointError(
+                    f"{self.directory / MANIFEST}: {name}'s slice {slices[name]} does not "
+                    f"divide into {self.degree} tensor ranks"
+                )
+        for part in self.parts:
+            expected = {
+                name: local_shape(shape, self.cuts.get(name), self.degree)
+                for name, shape in self.shapes.items()
+            }
+            found = {name: saved.shape for name, saved in part.params.items()}
+            if found != expected:
+                wrong = sorted(set(found) ^ set(expected)) or sorted(
+                    f"{n}: {list(found[n])}, expected {list(expected[n])}"
+                    for n in found
+                    if found[n] != expected[n]
+                )
+                raise CheckpointError(
+                    f"{part.directory} does not hold the parameters its checkpoint's manifest describes: "
+                    + ", ".join(wrong[:5])
+                )
+
+    @staticmethod
+    def _part(directory: Path, manifest: dict[str, Any], verify: bool) -> SavedPart:
+        return SavedPart(
+            directory, manifest, ShardReader(directory, manifest, verify), saved_params(manifest)
+        )
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.shapes)
+
+    def numel(self, name: str) -> int:
+        return int(torch.Size(self.shapes[name]).numel())
+
+    def cut(self, name: str, live: Cut | None) -> Cut | None:
+        """The cut of `name`, saved or live; a parameter cut differently on the two sides is an error."""
+        saved = self.cuts.get(name)
+        if saved is not None and live is not None and saved != live:
+            raise CheckpointError(
+                f"{self.directory}: {name} was saved cut along dimension {saved.dim} in {saved.parts} part(s); "
+                f"this model cuts it along {live.dim} in {live.parts}"
+            )
+        return saved or live
+
+    def read(
+        self,
+        name: str,
+        key: str,
+        start: int,
+        end: int,
+        live: Cut | None = None,
+        degree: int = 1,
+        rank: int = 0,
+    ) -> torch.Tensor:
+        """Elements [start, end) of tensor rank `rank`'s slice of `name` at tensor `degree` (`live` None
+        with degree 1: of the whole parameter), flat, fp32. `key`: "master" or "state.<name>"."""
+        flat = torch.empty(end - start, dtype=torch.float32)
+        cut = self.cut(name, live)
+        saved_degree = self.degree if name in self.cuts else 1
+        live_degree, live_rank = (degree, rank) if live is not None else (1, 0)
+        for part, at, position, length in runs(
+            self.shapes[name], cut, live_degree, live_rank, saved_degree, start, end
+        ):
+            saved = self.parts[part].params[name]
+            for file, shard_at, element, count in saved.segments(at, at + length):
+                here = position + element - at
+                flat[here : here + count] = self.parts[part].reader.read(
+                    file, f"group{saved.group}.{key}", shard_at, count
+                )
+        return flat
+
+    def full_param(self, name: str, key: str = "master") -> torch.Tensor:
+        """The whole parameter `name` (master weights or an optimizer state), fp32, in its full shape."""
+        return self.read(name, key, 0, self.numel(name)).view(self.shapes[name])
+
+    @property
+    def unmanaged(self) -> list[str]:
+        return list(self.manifest.get("unmanaged", []))
+
+    def unmanaged_shape(self, name: str) -> tuple[int, ...]:
+        shape = tuple(self.parts[0].reader.file(0).get_slice(UNMANAGED_PREFIX + name).get_shape())
+        cut = self.cuts.get(name)
+        if cut is not None:
+            shape = tuple(n * self.degree if d == cut.dim else n for d, n in enumerate(shape))
+        return shape
+
+    def unmanaged_tensor(
+        self, name: str, live: Cut | None = None, degree: int = 1, rank: int = 0
+    ) -> torch.Tensor:
+        """A frozen parameter or buffer (rank 0's file of each part): whole, or tensor rank `rank`'s slice."""
+        saved_cut = self.cuts.get(name)
+        if saved_cut is None and live is None:
+            return self.parts[0].reader.tensor(0, UNMANAGED_PREFIX + name)
+        cut = self.cut(name, live)
+        full = self.unmanaged_shape(name)
+        pieces = {}
+        live_degree, live_rank = (degree, rank) if live is not None else (1, 0)
+        shape = local_shape(full, live, live_degree)
+        numel = int(torch.Size(shape).numel())
+        flat = None
+        for part, at, position, length in runs(
+            full, cut, live_degree, live_rank, self.degree if saved_cut else 1, 0, numel
+        ):
+            if part not in pieces:
+                pieces[part] = self.parts[part].reader.tensor(0, UNMANAGED_PREFIX + name).flatten()
+            if flat is None:
+                flat = torch.empty(numel, dtype=pieces[part].dtype)
+            flat[position : position + length] = pieces[part][at : at + length]
+        return flat.view(shape)
+
+    def files(self) -> list[tuple[int, int]]:
+        """(part, rank) of every rank file of the checkpoint."""
+        return [
+            (index, rank)
+            for index, part in enumerate(self.parts)
+            for rank in range(part.manifest["world_size"])
+        ]
