@@ -68,3 +68,15 @@ def test_a_streamed_run_refuses_another_world_size_by_name(cache, tmp_path):
     result = _launch(tmp_path, cache, 1, "--resume", "latest", "--train.max_steps", "4", check=False)
     assert result.returncode != 0
     assert "saved at world size 2 and is per rank" in result.stderr
+
+
+def test_a_tensor_sliced_run_resumes_without_slicing_on_its_data_replicas(cache, tmp_path):
+    # Streamed data, whose position is per data replica: tensor 2 x data 2 (4 processes) resumes at data 2
+    # (2 processes), each replica from its own position, and continues as the uninterrupted run.
+    _launch(tmp_path / "sliced", cache, 4, "--parallel.tensor", "2", "--train.eval_every", "0")
+    uninterrupted = _losses(tmp_path / "sliced")
+    checkpoint = tmp_path / "sliced" / "checkpoints" / "step-00000004"
+    result = _launch(tmp_path / "plain", cache, 2, "--train.eval_every", "0", "--resume", str(checkpoint))
+    assert "saved by 4 processes and resumes on 2" in result.stderr
+    assert "continues from each data replica's position" in result.stderr
+    assert _losses(tmp_path / "plain") == pytest.approx(uninterrupted, rel=1e-5)

@@ -145,7 +145,7 @@ class RunCheckpointer:
         onto the new ranks; a per-rank one refuses) and fresh RNG seeded by step and rank."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         saved_world = self._saved_world_size(path)
-        own_rank = rank if saved_world == world else 0  # rank 0 holds the global data position
+        own_rank, by_replica = self._data_state_rank(path, saved_world)
 
         def read_run_state() -> tuple[dict, dict, LossCurve]:
             curve_file = path / CURVE_FILE
@@ -162,15 +162,16 @@ class RunCheckpointer:
         scheduler_state, state, curve = read_on_every_rank(engine.collectives, read_run_state)
         engine.load_checkpoint(engine_directory(path))
         scheduler.load_state_dict(scheduler_state)
-        if saved_world == world:
+        if own_rank == rank and saved_world == world:
             restore_rng(state["rng"])
         else:
             reseed_rng(state["step"], rank)
             if rank == 0:
+                data = "each data replica's position" if by_replica else "the global position"
                 logger.warning(
                     "%s was saved by %d processes and resumes on %d: the model and optimizer are resharded, "
-                    "the data continues from the global position, and the RNG is seeded anew",
-                    path, saved_world, world,
+                    "the data continues from %s, and the RNG is seeded anew",
+                    path, saved_world, world, data,
                 )  # fmt: skip
         return {
             "step": state["step"],
@@ -179,6 +180,25 @@ class RunCheckpointer:
             "saved_world_size": saved_world,
             "curve": curve,
         }
+
+    def _data_state_rank(self, path: Path, saved_world: int) -> tuple[int, bool]:
+        """The saved rank whose data position (and, at the same layout, RNG) this rank takes back: its own
+        at the saved layout; at another layout with as many data replicas, the saved rank of tensor rank 0
+        in this data replica (tensor innermost: data rank x the saved tensor degree), whose position is
+        this replica's; else rank 0, which holds the global data position. Also whether the position is
+        this data replica's own (not the global one)."""
+        accelerator = self.accelerator
+        layout = read_manifest(engine_directory(path)).get(
+            "layout", {"tensor": 1, "pipeline": 1, "data": saved_world}
+        )
+        dims = getattr(accelerator, "parallel_dims", None)
+        data_rank = getattr(accelerator, "data_parallel_rank", accelerator.process_index)
+        data_size = getattr(accelerator, "data_parallel_size", accelerator.num_processes)
+        if saved_world == accelerator.num_processes and layout["tensor"] == (dims.tensor if dims else 1):
+            return accelerator.process_index, True
+        if layout["data"] == data_size and layout["pipeline"] == 1:
+            return data_rank * layout["tensor"], True
+        return 0, False
 
     @staticmethod
     def _saved_world_size(path: Path) -> int:
