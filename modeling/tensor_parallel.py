@@ -416,10 +416,11 @@ def plan_slices(model: nn.Module, degree: int, rank: int = 0) -> dict[str, Tenso
 
 
 def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup) -> dict[str, TensorSlice]:
-    """Cut `model` (full weights, on CPU or CUDA, not meta) in place for the tensor group `group`,
-    following its declared plan. Returns {parameter name: slice} for every cut parameter; the others
-    are replicated (same values on every tensor rank). Parameters stay the same `nn.Parameter`s.
-    Applying twice is an error."""
+    """Cut `model` in place for the tensor group `group`, following its declared plan. Returns {parameter
+    name: slice} for every cut parameter; the others are replicated (same values on every tensor rank).
+    Parameters stay the same `nn.Parameter`s. A model on the meta device is cut in shape only: its values
+    come later (the ZeRO engine initializes whole tensors and keeps this rank's slices, so every layout
+    starts from the same weights). Applying twice is an error."""
     if is_sliced(model):
         raise RuntimeError("apply_tensor_parallel: this model is already cut for tensor parallelism")
     targets = _plan_targets(model)
@@ -428,10 +429,6 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup) -> dict[st
     if config is not None and hasattr(config, "check_tensor_parallel"):
         config.check_tensor_parallel(degree)
 
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError(
-            "apply_tensor_parallel needs the full weights: materialize the meta parameters first"
-        )
     slices = _cuts(model, targets, degree, rank)
     parameters = dict(model.named_parameters())
     with torch.no_grad():

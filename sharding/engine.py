@@ -503,8 +503,22 @@ class ZeroEngine(nn.Module):
         where = {id(p): (group, i) for group in self.groups for i, p in enumerate(group.params)}
         for group in self.groups:
             group.allocate()
+        # Tensor slicing: parameters are initialised whole and this rank keeps its slice of each.
+        parameters = dict(self.module.named_parameters())
+        cuts = {id(parameters[name]): cut for name, cut in self.tensor_slices.items()}
+        whole_shapes = {
+            id(parameters[name]): cut.full_shape(parameters[name].shape)
+            for name, cut in self.tensor_slices.items()
+        }
+        if cuts and source is not None:
+            raise ValueError(
+                f"pretrained={source.path} with tensor slicing: reading each rank's slices of a checkpoint is not "
+                "supported yet; load the model with its weights (from_pretrained) before initialize"
+            )
 
         def keep(param: nn.Parameter, value: torch.Tensor) -> None:
+            if id(param) in cuts:
+                value = cuts[id(param)].local(value)
             if id(param) in where:
                 group, index = where[id(param)]
                 group.load_slot(index, value)
@@ -512,7 +526,7 @@ class ZeroEngine(nn.Module):
                 torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=False))
 
         if source is None:
-            materialize(self.module, seed, device, keep)
+            materialize(self.module, seed, device, keep, whole_shapes=whole_shapes)
         else:
             loaded = load_pretrained(self, source, device)
             self.pretrained_bytes_read = loaded.bytes_read

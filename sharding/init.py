@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -72,13 +72,16 @@ def materialize(
     device: torch.device,
     sink: Callable[[nn.Parameter, torch.Tensor], None],
     only: Collection[int] | None = None,
+    whole_shapes: Mapping[int, tuple[int, ...]] | None = None,
 ) -> None:
     """Give `sink(parameter, full_value)` every meta parameter's initial value, one module at a time.
 
     The parameter objects stay meta (and stay the ones the optimizer holds); `sink` decides what
     this rank keeps. `only` (parameter ids) limits it to those parameters, e.g. the ones a
-    checkpoint lacks; their values are the same as without `only`. Meta buffers cannot be
-    initialised generically and are refused.
+    checkpoint lacks; their values are the same as without `only`. `whole_shapes` (parameter id: shape)
+    initialises a parameter cut for tensor slicing at its whole shape, so that `sink` gets the whole
+    value (and keeps its slice of it) and every layout starts from the same weights. Meta buffers
+    cannot be initialised generically and are refused.
     """
     meta_buffers = [name for name, b in model.named_buffers() if b.is_meta]
     if meta_buffers and only is None:
@@ -92,7 +95,10 @@ def materialize(
             continue
         originals = dict(module._parameters)
         real = {
-            k: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+            k: nn.Parameter(
+                torch.empty((whole_shapes or {}).get(id(p), p.shape), dtype=p.dtype, device=device),
+                requires_grad=p.requires_grad,
+            )
             for k, p in own.items()
         }
         module._parameters.update(real)

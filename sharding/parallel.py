@@ -138,19 +138,14 @@ def parallel_groups(
 
 def apply_model_plan(module: nn.Module, groups: ParallelGroups) -> dict[str, TensorSlice]:
     """Cut `module` for its tensor group following the plan it declares (`base_model_tp_plan`); returns
-    each cut parameter's slice by name (none with tensor 1)."""
+    each cut parameter's slice by name (none with tensor 1). A meta model is cut in shape: the engine
+    initializes each parameter whole and keeps this rank's slice."""
     if groups.dims.pipeline > 1:
         raise ValueError(
             f"{groups.dims}: pipeline stages are not supported by this engine yet; use pipeline=1"
         )
     if groups.dims.tensor == 1:
         return {}
-    meta = [name for name, p in module.named_parameters() if p.is_meta]
-    if meta:
-        raise ValueError(
-            f"tensor slicing cuts the model's weights, but {meta[0]} (and {len(meta) - 1} more) are on the meta "
-            "device: build the model with its weights (the same on every rank) before initialize"
-        )
     # The model declares its plan; cutting it is the model package's, which knows the layouts it fuses.
     from tnlg.modeling.tensor_parallel import apply_tensor_parallel
 

@@ -8,6 +8,7 @@ import torch
 from tests.sharding.test_zero_equivalence import assert_trains_like
 from tests.support.parallel_cases import (
     mesh_coordinates,
+    meta_tensor_data,
     step_traffic,
     train_batch_errors,
     train_batches,
@@ -122,3 +123,18 @@ def test_step_traffic_equals_the_analytic_megatron_and_zero_volumes(stage):
     assert counted.pop("all_gather/data") == 4 * gathered
     assert counted.pop("all_reduce/data") == 8 + 4  # the norm's fp64 scalar; train_batch's mean loss
     assert counted == {}  # nothing else, no broadcast, nothing on another group
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_meta_model_is_cut_in_shape_and_initialized_as_a_whole_one(stage):
+    from tests.support.tensor_parallel_cases import make_config
+    from tnlg.modeling import TNLGForCausalLM
+    from tnlg.sharding import init_weights
+
+    state = run_distributed(meta_tensor_data, 4, stage, timeout=300)[0]
+    whole = TNLGForCausalLM(make_config())
+    init_weights(whole, 5)
+    assert state.keys() == whole.state_dict().keys()
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(state[name], tensor), name

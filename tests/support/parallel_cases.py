@@ -229,3 +229,19 @@ def step_traffic(rank: int, world_size: int, stage: int) -> dict:
             units[kind] += unit.numel
     engine.close()
     return {"bytes": counted, "units": units, "tokens": ids[share].numel()}
+
+
+def meta_tensor_data(rank: int, world_size: int, stage: int) -> dict:
+    """The tiny TNLG model built on the meta device and initialized by the engine at tensor 2 x data 2:
+    its consolidated state, to compare with the same seeded initialization of a whole model."""
+    from tests.support.tensor_parallel_cases import make_config
+    from tnlg.modeling import TNLGForCausalLM
+
+    with torch.device("meta"):
+        model = TNLGForCausalLM(make_config())
+    engine = initialize(
+        model, tnlg_optimizer(model), ZeroConfig(stage=stage), parallel=ParallelDims(tensor=2), init_seed=5
+    )
+    state = engine.full_state_dict()
+    engine.close()
+    return state

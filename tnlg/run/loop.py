@@ -116,9 +116,9 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
     tokenizer = run_tokenizer(job.tokenizer, config.model)
     architecture = model_config(config.model, tokenizer, job.seq_len)
     model = (job.build_model or meta_model)(architecture)
-    if config.parallel.tensor > 1:
-        # Tensor slicing cuts whole weights: the model is built with them (the seeded initialization the
-        # engine would give a meta model), then cut by the engine.
+    if config.parallel.tensor > 1 and config.model.init_from is not None:
+        # The engine reads no checkpoint slices under tensor slicing yet: the model is loaded whole first.
+        # (A meta model without init_from is cut in shape and initialized slice by slice by the engine.)
         model = with_weights(model, train_section.seed, config.model.init_from)
     if config.model.activation_checkpointing.enabled:  # before the engine hooks the blocks
         enable_activation_checkpointing(model)
