@@ -64,19 +64,27 @@ def _plan_config(path: str, world_size: int, **zero_overrides):
         micro_batch_size=run.train.micro_batch_size,
         seq_len=run.data.seq_len,
         activation_checkpointing=run.model.activation_checkpointing.enabled,
+        tensor_parallel=run.parallel.tensor,
     )
     optimizer = build_optimizer(model, run.optimizer)
-    return plan_rank_memory(model, optimizer, zero, world_size=world_size, activations=activations)
+    return plan_rank_memory(
+        model,
+        optimizer,
+        zero,
+        world_size=world_size,
+        activations=activations,
+        tensor_parallel=run.parallel.tensor,
+    )
 
 
 @pytest.mark.parametrize(
     ("path", "world_size"),
     [("configs/pretrain/tnlg-17b.yaml", 32), ("configs/pretrain/mt-nlg-530b.yaml", 512)],
 )
-def test_the_big_configs_fit_an_80gb_gpu_at_their_layout_with_prefetching(path, world_size):
+def test_the_big_configs_fit_an_80gb_gpu_at_their_layout(path, world_size):
     plan = _plan_config(path, world_size)
     print(format_plans([plan], 80 * GB))
-    assert plan.prefetches
+    assert plan.prefetches or plan.stage < 3  # 17B: stage 1 at T-NLG's tensor 4; 530B: stage 3
     assert plan.device <= 80 * GB
 
 
