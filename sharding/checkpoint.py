@@ -230,17 +230,9 @@ def save_engine(engine: EngineState, directory: str | Path, tensor: TensorLayout
             full = list(local)
             full[cut.dim] *= tensor.degree
             shapes[name] = {"dim": cut.dim, "parts": cut.parts, "shape": full}
-        config = getattr(engine.module, "config", None)
-        if config is not None and hasattr(config, "to_json_string"):
-            (directory / "config.json").write_text(config.to_json_string())
-        optimizer = engine.base_optimizer
+        _write_model_config(engine, directory)
         manifest = {
-            "format_version": FORMAT_VERSION,
-            "tnlg_version": tnlg_version(),
-            "world_size": world.world_size,
-            **engine.checkpoint_state(),
-            "optimizer": type(optimizer).__name__,
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+            **_manifest_head(engine, world.world_size),
             "layout": {"tensor": tensor.degree, "pipeline": 1, "data": engine.collectives.world_size},
             "parts": part_manifests,
             "slices": shapes,
@@ -248,6 +240,27 @@ def save_engine(engine: EngineState, directory: str | Path, tensor: TensorLayout
         }
         write_json_atomic(directory / MANIFEST, manifest, indent=2, default=str)
     _barrier(world)
+
+
+def _manifest_head(engine: EngineState, world_size: int) -> dict[str, Any]:
+    """What every manifest starts with: versions, the world that wrote it, the engine's state (stage,
+    mixed precision, global steps, loss scaler) and the optimizer's param-group hyperparameters."""
+    optimizer = engine.base_optimizer
+    return {
+        "format_version": FORMAT_VERSION,
+        "tnlg_version": tnlg_version(),
+        "world_size": world_size,
+        **engine.checkpoint_state(),
+        "optimizer": type(optimizer).__name__,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+    }
+
+
+def _write_model_config(engine: EngineState, directory: Path) -> None:
+    """The model's Transformers config.json, for consolidation, when it has one."""
+    config = getattr(engine.module, "config", None)
+    if config is not None and hasattr(config, "to_json_string"):
+        (directory / "config.json").write_text(config.to_json_string())
 
 
 def _save_part(engine: EngineState, directory: Path, top: bool) -> str | None:
@@ -279,16 +292,10 @@ def _save_part(engine: EngineState, directory: Path, top: bool) -> str | None:
     if rank != 0:
         _barrier(collectives)
         return None
-    config = getattr(engine.module, "config", None)
-    if top and config is not None and hasattr(config, "to_json_string"):
-        (directory / "config.json").write_text(config.to_json_string())
+    if top:
+        _write_model_config(engine, directory)
     manifest = {
-        "format_version": FORMAT_VERSION,
-        "tnlg_version": tnlg_version(),
-        "world_size": collectives.world_size,
-        **engine.checkpoint_state(),  # stage, mixed precision, global steps, loss scaler
-        "optimizer": type(optimizer).__name__,
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        **_manifest_head(engine, collectives.world_size),
         "groups": group_manifest(engine),
         "unmanaged": sorted(_unmanaged_state(engine)),
         "files": {name: info for r in records for name, info in r.items()},
