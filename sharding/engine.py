@@ -38,7 +38,7 @@ from .kernels.fused_adam import ready_backend, steps_like_adam
 from .loss_scaler import LossScaler
 from .offload import Placement
 from .optimizer import ShardedOptimizer, TensorParallelNorm
-from .parallel import ParallelDims, apply_model_plan, gather_tensor_slices, parallel_groups
+from .parallel import ParallelDims, ParallelGroups, apply_model_plan, gather_tensor_slices, parallel_groups
 from .params import ParameterScheduler
 from .plan import ShardingPlan, plan_sharding
 from .pretrained import SOURCE_ATTRIBUTE, PretrainedSource, load_pretrained
@@ -79,7 +79,7 @@ class ZeroEngine(nn.Module):
         device: torch.device | str | None = None,
         init_seed: int = 0,
         pretrained: PretrainedSource | str | Path | None = None,
-        parallel: ParallelDims | None = None,
+        parallel: ParallelDims | ParallelGroups | None = None,
     ):
         super().__init__()
         settings = engine_settings(config)  # a DeepSpeed config's training part too (deepspeed.py)
@@ -322,11 +322,7 @@ class ZeroEngine(nn.Module):
             # Whole tensors from every tensor rank's slices (under one state-dict key each, tied ones too).
             names = {id(p): name for name, p in self.module.named_parameters()}
             keys = {key: names.get(id(t)) for key, t in self.module.state_dict(keep_vars=True).items()}
-            local = {
-                names[id(t)]: result[key]
-                for key, t in self.module.state_dict(keep_vars=True).items()
-                if id(t) in names
-            }
+            local = {name: result[key] for key, name in keys.items() if name is not None}
             whole = gather_tensor_slices(
                 local, self.tensor_slices, self.parallel.tensor, self.groups[0].device
             )
@@ -644,7 +640,7 @@ def initialize(
     device: torch.device | str | None = None,
     init_seed: int = 0,
     pretrained: PretrainedSource | str | Path | None = None,
-    parallel: ParallelDims | None = None,
+    parallel: ParallelDims | ParallelGroups | None = None,
 ) -> ZeroEngine:
     """Shard `model` and `optimizer` across the ranks of `process_group` (default: the world).
 

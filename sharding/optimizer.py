@@ -129,7 +129,7 @@ class ShardedOptimizer:
                 group_squares = torch.stack([squared_norm(piece) for piece in pieces]).sum()
                 squares += (group_squares / flat.grad_divisor**2).to(device)
         if self.tensor_parallel is not None:
-            squares -= self.tensor_parallel.replicated_excess(self.groups).to(device)
+            squares -= self.tensor_parallel.replicated_excess(self.groups)
         if self.sharded:
             self.collectives.all_reduce(squares)
         if self.tensor_parallel is not None:
@@ -280,12 +280,12 @@ class TensorParallelNorm:
     def replicated_excess(self, groups: list[FlatGroup]) -> torch.Tensor:
         """(1 - 1/t) of this rank's squares of the replicated gradients (fp64): what the sum over the
         t tensor ranks counts more than once."""
-        excess = torch.zeros((), dtype=torch.float64)
+        excess = torch.zeros((), dtype=torch.float64, device=groups[0].device)
         for flat, indices in zip(groups, self.replicated, strict=True):
             views = [view for i in indices if (view := flat.owned_gradient(i)) is not None and view.numel()]
-            if views:
-                squares = torch.stack([squared_norm(view) for view in views]).sum().cpu()
-                excess += squares / flat.grad_divisor**2
+            if views:  # offloaded shards are on the host: their sum moves, one scalar
+                squares = torch.stack([squared_norm(view) for view in views]).sum()
+                excess += squares.to(excess.device) / flat.grad_divisor**2
         return excess * (1 - 1 / self.collectives.world_size)
 
 

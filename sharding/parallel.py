@@ -122,18 +122,19 @@ def build_groups(dims: ParallelDims, device_type: str | None = None) -> Parallel
 
 
 def parallel_groups(
-    parallel: ParallelDims | None, process_group: dist.ProcessGroup | None
+    parallel: ParallelDims | ParallelGroups | None, process_group: dist.ProcessGroup | None
 ) -> ParallelGroups | None:
-    """The engine's grid for `initialize(..., parallel=)`, or None without one."""
+    """The engine's grid for `initialize(..., parallel=)` (the degrees, or a grid already built, e.g. by
+    ZeroAccelerator, whose process groups are then shared), or None without one."""
     if parallel is None:
         return None
-    if not isinstance(parallel, ParallelDims):
+    if not isinstance(parallel, (ParallelDims, ParallelGroups)):
         raise ValueError(f"parallel must be a ParallelDims, got {type(parallel).__name__}")
     if process_group is not None:
         raise ValueError(
             "give parallel= or process_group=, not both: the data-parallel group comes from the dims"
         )
-    return build_groups(parallel)
+    return parallel if isinstance(parallel, ParallelGroups) else build_groups(parallel)
 
 
 def apply_model_plan(module: nn.Module, groups: ParallelGroups) -> dict[str, TensorSlice]:

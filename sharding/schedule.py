@@ -59,17 +59,18 @@ def train_batch(engine: ZeroEngine, micro_batches: Sequence[Any]) -> torch.Tenso
             f"train_batch got {count} micro-batches, but the engine's config accumulates {configured} per step "
             "(gradient_accumulation_steps): pass that many, or leave the config's accumulation at 1"
         )
-    total = torch.zeros((), dtype=torch.float32)
+    device = engine.groups[0].device  # where the collectives run (NCCL: the GPU)
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for index, micro_batch in enumerate(micro_batches):
         last = index == count - 1
         sync = contextlib.nullcontext() if last or configured > 1 else engine.no_sync()
         with sync:
             loss = run_micro_batch(engine, micro_batch)
-            total += loss.detach().float().cpu()
+            total += loss.detach().float().to(device)  # no host sync per micro-batch
             # With the config's accumulation the engine divides by K itself; else this call does.
             engine.backward(loss if configured > 1 else loss / count)
         if configured > 1 or last:
             engine.step()
-    mean = (total / count).to(engine.groups[0].device)  # where the collectives run (NCCL: the GPU)
+    mean = total / count
     engine.collectives.all_reduce(mean)
     return (mean / engine.collectives.world_size).cpu()

@@ -345,7 +345,7 @@ class ZeroAccelerator(Accelerator):
             self.zero_settings,
             init_seed=init_seed,
             pretrained=pretrained,
-            parallel=self.parallel_dims,
+            parallel=self.parallel_groups,  # the grid built at __init__: no second set of groups
         )
         self.engines.append(engine)
         self._models.append(engine)

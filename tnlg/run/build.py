@@ -20,7 +20,6 @@ from tnlg.data.pretokenized import read_texts
 from tnlg.data.tokenizer import has_tokenizer, load_tokenizer, train_byte_level_bpe
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
 from tnlg.run.config import ModelSection
-from tnlg.sharding import init_weights
 
 
 def default_tokenizer(vocab_size: int) -> PreTrainedTokenizerBase:
@@ -99,21 +98,15 @@ def meta_model(architecture: TNLGConfig) -> nn.Module:
         return TNLGForCausalLM(architecture)
 
 
-def with_weights(model: nn.Module, seed: int, init_from: str | None) -> nn.Module:
-    """`model` holding its weights on the CPU, for tensor slicing (which cuts whole weights): a meta
-    model becomes `init_from`'s weights, else the seeded initialization (`init_weights`: the values the
-    engine gives a meta model at any layout); a model with weights is returned as it is. Every rank
-    holds the whole model until the engine cuts it."""
+def whole_pretrained(model: nn.Module, init_from: str) -> nn.Module:
+    """`init_from`'s weights, whole, in place of a meta `model` (a model with weights is returned as it
+    is): for tensor slicing, under which the engine does not yet read each rank's slices of a checkpoint.
+    Every rank holds the whole model until the engine cuts it."""
     if not any(p.is_meta for p in model.parameters()):
         return model
     if not isinstance(model, TNLGForCausalLM):
         raise ValueError(
-            f"tensor slicing needs the model's weights, and a meta {type(model).__name__} cannot be given them "
-            "here: build it with weights"
+            f"tensor slicing from init_from needs the model's weights, and a meta {type(model).__name__} cannot "
+            "be given them here: build it with weights"
         )
-    if init_from is not None:
-        return TNLGForCausalLM.from_pretrained(init_from, config=model.config)
-    with torch.device("cpu"):
-        model = TNLGForCausalLM(model.config)
-    init_weights(model, seed)
-    return model
+    return TNLGForCausalLM.from_pretrained(init_from, config=model.config)

@@ -144,8 +144,8 @@ class RunCheckpointer:
         rank 0's data position (a world-independent one, such as the pre-tokenized stream's, maps
         onto the new ranks; a per-rank one refuses) and fresh RNG seeded by step and rank."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        saved_world = self._saved_world_size(path)
-        own_rank, by_replica = self._data_state_rank(path, saved_world)
+        saved_world, layout = self._saved_layout(path)
+        own_rank, by_replica = self._data_state_rank(saved_world, layout)
 
         def read_run_state() -> tuple[dict, dict, LossCurve]:
             curve_file = path / CURVE_FILE
@@ -181,16 +181,13 @@ class RunCheckpointer:
             "curve": curve,
         }
 
-    def _data_state_rank(self, path: Path, saved_world: int) -> tuple[int, bool]:
+    def _data_state_rank(self, saved_world: int, layout: dict[str, int]) -> tuple[int, bool]:
         """The saved rank whose data position (and, at the same layout, RNG) this rank takes back: its own
         at the saved layout; at another layout with as many data replicas, the saved rank of tensor rank 0
         in this data replica (tensor innermost: data rank x the saved tensor degree), whose position is
         this replica's; else rank 0, which holds the global data position. Also whether the position is
         this data replica's own (not the global one)."""
         accelerator = self.accelerator
-        layout = read_manifest(engine_directory(path)).get(
-            "layout", {"tensor": 1, "pipeline": 1, "data": saved_world}
-        )
         dims = getattr(accelerator, "parallel_dims", None)
         data_rank = getattr(accelerator, "data_parallel_rank", accelerator.process_index)
         data_size = getattr(accelerator, "data_parallel_size", accelerator.num_processes)
@@ -201,11 +198,14 @@ class RunCheckpointer:
         return 0, False
 
     @staticmethod
-    def _saved_world_size(path: Path) -> int:
-        """How many processes saved `path` (the engine manifest's world size); every one of them must have
-        left its rank file, or a missing one would read as a smaller world (resuming every rank from rank
-        0's data position) or fail later with a message about the wrong file."""
-        world = read_manifest(engine_directory(path))["world_size"]
+    def _saved_layout(path: Path) -> tuple[int, dict[str, int]]:
+        """How many processes saved `path` and in what (tensor, pipeline, data) layout (the engine
+        manifest's; data parallelism alone before tensor slicing); every one of them must have left its
+        rank file, or a missing one would read as a smaller world (resuming every rank from rank 0's data
+        position) or fail later with a message about the wrong file."""
+        manifest = read_manifest(engine_directory(path))
+        world = manifest["world_size"]
+        layout = manifest.get("layout", {"tensor": 1, "pipeline": 1, "data": world})
         files = [rank_state_file(path, saved_rank) for saved_rank in range(world)]
         missing = [file.name for file in files if not file.is_file()]
         if missing:
@@ -213,7 +213,7 @@ class RunCheckpointer:
                 f"{path / missing[0]} is missing: the checkpoint was saved by {world} processes and lacks "
                 f"{', '.join(missing)}; it is incomplete"
             )
-        return world
+        return world, layout
 
     def _prune(self) -> None:
         checkpoints = sorted(p for p in self.root.glob("step-*") if p.is_dir())

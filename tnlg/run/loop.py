@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from tnlg.accelerate import ZeroAccelerator
 from tnlg.modeling import TNLGConfig
 from tnlg.run.activations import enable_activation_checkpointing, offloaded_activations
-from tnlg.run.build import check_init_from, meta_model, model_config, run_tokenizer, with_weights
+from tnlg.run.build import check_init_from, meta_model, model_config, run_tokenizer, whole_pretrained
 from tnlg.run.checkpoint import RunCheckpointer
 from tnlg.run.config import TrainingConfig
 from tnlg.run.launch_checks import check_ranks_run_the_same_job
@@ -119,7 +119,7 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
     if config.parallel.tensor > 1 and config.model.init_from is not None:
         # The engine reads no checkpoint slices under tensor slicing yet: the model is loaded whole first.
         # (A meta model without init_from is cut in shape and initialized slice by slice by the engine.)
-        model = with_weights(model, train_section.seed, config.model.init_from)
+        model = whole_pretrained(model, config.model.init_from)
     if config.model.activation_checkpointing.enabled:  # before the engine hooks the blocks
         enable_activation_checkpointing(model)
     optimizer = build_optimizer(model, config.optimizer)

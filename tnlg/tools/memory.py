@@ -309,23 +309,12 @@ def tensor_rank_parameters(config: TNLGConfig, tensor_parallel: int = 1) -> int:
     return layers + sum(_root_tensor_sizes(config, tensor_parallel))
 
 
-def valid_tensor_degrees(config: TNLGConfig) -> list[int]:
-    """Degrees that give every tensor rank whole attention heads: the divisors of the head count."""
-    heads = config.num_attention_heads
-    return [t for t in range(1, heads + 1) if heads % t == 0]
-
-
 def _check_tensor_parallel(config: TNLGConfig, degree: Any, world_size: Any) -> int:
+    """The model's own check (TNLGConfig.check_tensor_parallel: whole heads, MLP columns, vocabulary
+    rows, naming the valid degrees), then that the degree divides the world."""
     _check_positive_int("tensor_parallel", degree)
     _check_positive_int("world_size", world_size)
-    if config.num_attention_heads % degree:
-        raise ValueError(
-            f"tensor_parallel={degree} does not divide the {config.num_attention_heads} attention heads; valid "
-            f"degrees: {', '.join(map(str, valid_tensor_degrees(config)))}"
-        )
-    for name, size in (("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)):
-        if size % degree:
-            raise ValueError(f"tensor_parallel={degree} does not divide the {name} {size}")
+    config.check_tensor_parallel(degree)
     if world_size % degree:
         raise ValueError(f"tensor_parallel={degree} does not divide world_size={world_size}")
     return degree
