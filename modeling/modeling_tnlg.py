@@ -498,25 +498,8 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
                 "labels need the logits of every position: do not combine them with logits_to_keep"
             )
         hidden_states = outputs.last_hidden_state
-        loss = None  # from a loss that never makes the (B, T, V) logits, which are then not returned
-        if labels is not None and tensor_parallel.tensor_group(self.lm_head) is not None:
-            # Cut by tnlg's apply_tensor_parallel: a vocabulary-parallel loss on local logits (B, T, V/t).
-            loss = tensor_parallel.vocab_parallel_causal_lm_loss(
-                self.lm_head, hidden_states, labels,
-                num_items_in_batch=kwargs.get("num_items_in_batch"), shift_labels=kwargs.get("shift_labels"),
-            )  # fmt: skip
-        elif (
-            labels is not None
-            and fused_ops.use_triton(self.config.fused_kernels, hidden_states)
-            and is_plain_linear(self.lm_head)
-        ):
-            # The LM head and its loss chunk by chunk. A wrapped head (LoRA, modules_to_save) is called
-            # below instead: the kernel reads only the weight.
-            targets = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # position t predicts t + 1
-            loss = fused_ops.linear_cross_entropy(
-                hidden_states.reshape(-1, hidden_states.shape[-1]), self.lm_head.weight, targets.reshape(-1),
-                num_items=kwargs.get("num_items_in_batch"), choice=self.config.fused_kernels,
-            )  # fmt: skip
+        # From a loss that never makes the (B, T, V) logits, which are then not returned.
+        loss = self._loss_without_logits(hidden_states, labels, kwargs) if labels is not None else None
         if loss is not None:
             return CausalLMOutputWithPast(
                 loss=loss,
@@ -541,6 +524,36 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+    def _loss_without_logits(
+        self, hidden_states: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, Any]
+    ) -> torch.Tensor | None:
+        """The causal-LM loss straight from the final hidden states where a path exists that never makes
+        the (B, T, V) logits (tensor slicing, the fused Triton head); None where the logits are needed."""
+        if tensor_parallel.tensor_group(self.lm_head) is not None:
+            # Cut by tnlg's apply_tensor_parallel: a vocabulary-parallel loss on local logits (B, T, V/t).
+            return tensor_parallel.vocab_parallel_causal_lm_loss(
+                self.lm_head, hidden_states, labels,
+                num_items_in_batch=kwargs.get("num_items_in_batch"), shift_labels=kwargs.get("shift_labels"),
+            )  # fmt: skip
+        if fused_ops.use_triton(self.config.fused_kernels, hidden_states) and is_plain_linear(self.lm_head):
+            # The LM head and its loss chunk by chunk. A wrapped head (LoRA, modules_to_save) is called
+            # instead: the kernel reads only the weight.
+            targets = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # position t predicts t + 1
+            return fused_ops.linear_cross_entropy(
+                hidden_states.reshape(-1, hidden_states.shape[-1]), self.lm_head.weight, targets.reshape(-1),
+                num_items=kwargs.get("num_items_in_batch"), choice=self.config.fused_kernels,
+            )  # fmt: skip
+        return None
+
+    def pipeline_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last pipeline stage's loss: the mean causal-LM loss of `labels` (B, T; -100 = none) from the
+        final hidden states (B, T, H), by the same paths as `forward` (see modeling/pipeline.py)."""
+        loss = self._loss_without_logits(hidden_states, labels, {})
+        if loss is None:
+            logits = self.lm_head(hidden_states)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+        return loss
 
 
 __all__ = ["TNLGForCausalLM", "TNLGModel", "TNLGPreTrainedModel"]

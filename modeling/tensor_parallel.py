@@ -366,7 +366,8 @@ def _plan_targets(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     targets = [
         (name, module, plan[_wildcard(name)])
         for name, module in model.named_modules()
-        if _wildcard(name) in plan
+        # A module another pipeline stage holds is a placeholder here (modeling/pipeline.py).
+        if _wildcard(name) in plan and not getattr(module, "held_by_other_stage", False)
     ]
     if not targets:
         raise ValueError(

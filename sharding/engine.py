@@ -37,9 +37,19 @@ from .init import materialize
 from .kernels.fused_adam import ready_backend, steps_like_adam
 from .loss_scaler import LossScaler
 from .offload import Placement
-from .optimizer import ShardedOptimizer, TensorParallelNorm
-from .parallel import ParallelDims, ParallelGroups, apply_model_plan, gather_tensor_slices, parallel_groups
+from .optimizer import ModelParallelNorm, ShardedOptimizer
+from .parallel import (
+    ModelPlan,
+    ParallelDims,
+    ParallelGroups,
+    apply_model_plan,
+    gather_tensor_slices,
+    parallel_groups,
+    shared_parameter_groups,
+)
 from .params import ParameterScheduler
+from .partition import Unit
+from .pipeline import PipelineRunner, keep_stage_parameters
 from .plan import ShardingPlan, plan_sharding
 from .pretrained import SOURCE_ATTRIBUTE, PretrainedSource, load_pretrained
 from .schedule import train_batch
@@ -87,13 +97,22 @@ class ZeroEngine(nn.Module):
         # Tensor slicing is applied first, so that the engine shards each rank's slices, over the data
         # group only (see [Note: parallel layout] in parallel.py).
         self.parallel = parallel_groups(parallel, process_group)
-        self.tensor_slices = apply_model_plan(module, self.parallel) if self.parallel is not None else {}
+        model_plan = apply_model_plan(module, self.parallel) if self.parallel is not None else ModelPlan({})
+        self.tensor_slices = model_plan.tensor_slices
         if self.parallel is not None:
             process_group = self.parallel.data
         optimizer = engine_optimizer(settings, module, optimizer)
+        if model_plan.pipeline is not None and optimizer is not None:
+            keep_stage_parameters(optimizer, module)
+        shared = shared_parameter_groups(self.parallel, model_plan.pipeline) if model_plan.pipeline else {}
+        self.pipeline = (
+            PipelineRunner(model_plan.pipeline, self.parallel, shared, module.config.hidden_size)
+            if model_plan.pipeline is not None
+            else None
+        )
         self.collectives = Collectives(process_group, CommStats())
         self.batch_sizes = settings.batch_sizes(self.collectives.world_size)  # checked before any work
-        plan = plan_sharding(module, optimizer, self.config)
+        plan = plan_sharding(module, optimizer, self.config, own_units=set(shared))
         _check_backend(plan.device, self.collectives)
         self.module = module
         self.compute_dtype = COMPUTE_DTYPES[self.config.mixed_precision]
@@ -141,6 +160,11 @@ class ZeroEngine(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._require_open("forward")
+        if self.pipeline is not None:
+            raise RuntimeError(
+                f"this rank holds pipeline stages {self.pipeline.split.stage_indices} of "
+                f"{self.pipeline.split.num_stages}, not the whole model: train with engine.train_batch(micro_batches)"
+            )
         if self.inference_only:
             # No graph: nothing could run its backward, and with gradients enabled stage 3 would keep
             # the root block gathered for that backward.
@@ -153,6 +177,8 @@ class ZeroEngine(nn.Module):
         argument; the model must return a loss), step once, and return the mean loss over the
         micro-batches and the data-parallel ranks. See schedule.py."""
         self._require_optimizer("train_batch")
+        if self.pipeline is not None:
+            return self.pipeline.train_batch(self, micro_batches)
         return train_batch(self, micro_batches)
 
     def _require_optimizer(self, action: str) -> None:
@@ -296,6 +322,29 @@ class ZeroEngine(nn.Module):
         """
         self._require_open("full_state_dict")
         keep = self.collectives.rank == 0 or not rank0_only
+        gathered = self._gathered_master(keep)
+        if not keep:
+            return {}
+        result = {}
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            if id(tensor) in gathered:
+                result[name] = gathered[id(tensor)]
+            else:
+                result[name] = tensor.detach().clone().cpu()
+        # Model parallelism: the whole tensors from every tensor rank's slices, then every stage's.
+        if self.tensor_slices:
+            result = self._whole_slices(result)
+            if rank0_only and self.parallel.rank("tensor") != 0:
+                return {}
+        if self.pipeline is not None:
+            result = self._all_stages(result)
+            if rank0_only and self.parallel.rank("pipeline") != 0:
+                return {}
+        return result
+
+    def _gathered_master(self, keep: bool) -> dict[int, torch.Tensor]:
+        """{id(parameter): its whole fp32 master value, on the CPU} (empty unless `keep`), all-gathered
+        over the data group one unit at a time. Collective."""
         gathered: dict[int, torch.Tensor] = {}
         for group in self.groups:
             layout = group.layout
@@ -310,26 +359,23 @@ class ZeroEngine(nn.Module):
                     for index in unit.slots:
                         slot = layout.slots[index]
                         gathered[id(group.params[index])] = layout.param_view(full, slot).clone().cpu()
-        if not keep:
-            return {}
-        result = {}
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
-            if id(tensor) in gathered:
-                result[name] = gathered[id(tensor)]
-            else:
-                result[name] = tensor.detach().clone().cpu()
-        if self.tensor_slices:
-            # Whole tensors from every tensor rank's slices (under one state-dict key each, tied ones too).
-            names = {id(p): name for name, p in self.module.named_parameters()}
-            keys = {key: names.get(id(t)) for key, t in self.module.state_dict(keep_vars=True).items()}
-            local = {name: result[key] for key, name in keys.items() if name is not None}
-            whole = gather_tensor_slices(
-                local, self.tensor_slices, self.parallel.tensor, self.groups[0].device
-            )
-            result = {key: whole.get(keys[key], value) for key, value in result.items()}
-            if rank0_only and self.parallel.rank("tensor") != 0:
-                return {}
-        return result
+        return gathered
+
+    def _whole_slices(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` with every cut parameter whole, from every tensor rank's slice (under one state-dict
+        key each, tied ones too). Collective over the tensor group."""
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        keys = {key: names.get(id(t)) for key, t in self.module.state_dict(keep_vars=True).items()}
+        local = {name: state[key] for key, name in keys.items() if name is not None}
+        whole = gather_tensor_slices(local, self.tensor_slices, self.parallel.tensor, self.groups[0].device)
+        return {key: whole.get(keys[key], value) for key, value in state.items()}
+
+    def _all_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every pipeline stage's `state` merged (a tied embedding, on two stages, has the same value on
+        both). Collective over the pipeline group."""
+        stages = [{}] * self.parallel.dims.pipeline
+        dist.all_gather_object(stages, state, group=self.parallel.pipeline)
+        return {key: value for stage in stages for key, value in stage.items()}
 
     # ------------------------------------------------------------------ checkpoints (EngineState)
     @property
@@ -461,17 +507,38 @@ class ZeroEngine(nn.Module):
             fused_adam=_fused_adam_backend(
                 self.config.fused_adam, placement.device, placement.optimizer_on_host, optimizer
             ),
-            tensor_parallel=self._tensor_parallel_norm(),
+            model_parallel=self._model_parallel_norm(),
         )
 
-    def _tensor_parallel_norm(self) -> TensorParallelNorm | None:
-        if not self.tensor_slices:
+    def _model_parallel_norm(self) -> ModelParallelNorm | None:
+        """How the gradient norm sums over the tensor and pipeline groups, counting once what several of
+        their ranks hold: the parameters tensor slicing leaves whole, and the tied embedding's copy on the
+        last stage."""
+        if self.parallel is None or (self.parallel.dims.tensor == 1 and self.pipeline is None):
             return None
-        replicated = [
-            [slot.index for slot in group.layout.slots if slot.name not in self.tensor_slices]
-            for group in self.groups
-        ]
-        return TensorParallelNorm(Collectives(self.parallel.tensor), replicated)
+        reductions, counted = [], [{} for _ in self.groups]
+        if self.parallel.dims.tensor > 1:
+            reductions.append(Collectives(self.parallel.tensor))
+            for fractions, group in zip(counted, self.groups, strict=True):
+                for slot in group.layout.slots:
+                    if slot.name not in self.tensor_slices:
+                        fractions[slot.index] = 1 / self.parallel.dims.tensor
+        if self.pipeline is not None:
+            reductions.append(Collectives(self.parallel.pipeline))
+            copies = set(self.pipeline.shared) if not self.pipeline.holds_first else set()
+            for fractions, group in zip(counted, self.groups, strict=True):
+                for slot in group.layout.slots:
+                    if slot.name in copies:
+                        fractions[slot.index] = 0.0
+        return ModelParallelNorm(reductions, counted)
+
+    def parameter_unit(self, name: str) -> tuple[FlatGroup, Unit]:
+        """The flat group and unit holding trainable parameter `name`."""
+        for group in self.groups:
+            for slot in group.layout.slots:
+                if slot.name == name:
+                    return group, group.layout.units[slot.unit]
+        raise KeyError(f"{name} is not a trainable parameter of this engine")
 
     def _gradient_reducer(self) -> GradientReducer:
         """The backward hooks; stage 3 releases each unit's gathered parameters once it is reduced."""

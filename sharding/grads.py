@@ -247,6 +247,21 @@ class GradientReducer:
         work.handle.wait()
         work.finish()
 
+    def reduce_accumulated(self) -> None:
+        """Stages 0-1: reduce now, outside any backward, the gradients that backwards under `no_sync`
+        accumulated (a pipeline schedule's micro-batches, whose last backward this engine does not run):
+        what the last backward would have done."""
+        if self.stage >= 2:
+            raise RuntimeError("reduce_accumulated is for stages 0-1; stages 2-3 reduce in every backward")
+        for g, group in enumerate(self.groups):
+            for unit in group.layout.units:
+                self._reduce(g, unit)
+        while self._in_flight:
+            self._complete_oldest()
+        for group in self.groups:
+            group.settle_gradients()
+        self._reset()
+
     def flush(self) -> None:
         """Reduce everything now (a backward that ran without hooks firing still ends consistently)."""
         if self._backward_active:

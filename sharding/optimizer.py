@@ -86,10 +86,10 @@ class ShardedOptimizer:
         sharded: bool,
         offloaded: bool = False,
         fused_adam: str = "none",
-        tensor_parallel: TensorParallelNorm | None = None,
+        model_parallel: ModelParallelNorm | None = None,
     ):
         self.optimizer = optimizer
-        self.tensor_parallel = tensor_parallel
+        self.model_parallel = model_parallel
         self.groups = groups
         self.collectives = collectives
         self.loss_scaler = loss_scaler
@@ -128,12 +128,12 @@ class ShardedOptimizer:
             if pieces:
                 group_squares = torch.stack([squared_norm(piece) for piece in pieces]).sum()
                 squares += (group_squares / flat.grad_divisor**2).to(device)
-        if self.tensor_parallel is not None:
-            squares -= self.tensor_parallel.replicated_excess(self.groups)
+        if self.model_parallel is not None:
+            squares -= self.model_parallel.excess(self.groups)
         if self.sharded:
             self.collectives.all_reduce(squares)
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.collectives.all_reduce(squares)
+        for reduction in self.model_parallel.reductions if self.model_parallel is not None else []:
+            reduction.all_reduce(squares)
         return math.sqrt(squares.item()) / self.loss_scaler.scale
 
     def _refuse_direct_step(self, optimizer, args, kwargs) -> None:
@@ -268,25 +268,28 @@ class ShardedOptimizer:
 
 
 @dataclass
-class TensorParallelNorm:
-    """The gradient norm over a tensor group too (see [Note: parallel layout] in parallel.py): every
-    tensor rank holds different slices of the cut parameters but the same values of the others
-    (`replicated`: per flat group, the indices of the parameters the plan leaves whole), which the sum
-    over the tensor group must count once."""
+class ModelParallelNorm:
+    """The gradient norm over the model-parallel groups too (see [Note: parallel layout] in parallel.py):
+    every tensor rank holds different slices of the cut parameters and every pipeline stage different
+    layers, so the squares are summed over those groups (`reductions`, the tensor group then the
+    pipeline group). Parameters held by more than one of those ranks must be counted once: `counted`
+    gives, per flat group, {parameter index: the fraction of this rank's squares that the sum counts}
+    for them (1/t for what the tensor plan leaves whole, 0 for a later stage's copy of the tied
+    embedding); every other parameter counts whole."""
 
-    collectives: Collectives  # over the tensor group
-    replicated: list[list[int]]
+    reductions: list[Collectives]
+    counted: list[dict[int, float]]
 
-    def replicated_excess(self, groups: list[FlatGroup]) -> torch.Tensor:
-        """(1 - 1/t) of this rank's squares of the replicated gradients (fp64): what the sum over the
-        t tensor ranks counts more than once."""
+    def excess(self, groups: list[FlatGroup]) -> torch.Tensor:
+        """What the sum over `reductions` of this rank's squares counts more than once (fp64)."""
         excess = torch.zeros((), dtype=torch.float64, device=groups[0].device)
-        for flat, indices in zip(groups, self.replicated, strict=True):
-            views = [view for i in indices if (view := flat.owned_gradient(i)) is not None and view.numel()]
-            if views:  # offloaded shards are on the host: their sum moves, one scalar
-                squares = torch.stack([squared_norm(view) for view in views]).sum()
-                excess += squares.to(excess.device) / flat.grad_divisor**2
-        return excess * (1 - 1 / self.collectives.world_size)
+        for flat, fractions in zip(groups, self.counted, strict=True):
+            for index, fraction in fractions.items():
+                view = flat.owned_gradient(index)
+                if view is not None and view.numel():  # offloaded shards are on the host: one scalar moves
+                    squares = squared_norm(view).to(excess.device) / flat.grad_divisor**2
+                    excess += squares * (1 - fraction)
+        return excess
 
 
 def _host_16bit_shard(flat: FlatGroup) -> torch.Tensor | None:

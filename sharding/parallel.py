@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 if TYPE_CHECKING:
+    from tnlg.modeling.pipeline import PipelineSplit
     from tnlg.modeling.tensor_parallel import TensorSlice
 
 MESH_DIMENSIONS = ("pipeline", "data", "tensor")
@@ -41,9 +42,12 @@ class ParallelDims:
     tensor: int = 1
     pipeline: int = 1
     data: int | None = None
+    # Stages per pipeline rank: 1 runs the 1F1B schedule, more the interleaved 1F1B schedule over
+    # `pipeline * virtual_stages` stages (rank r holds stages r, r + pipeline, ...).
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline"):
+        for name in ("tensor", "pipeline", "virtual_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelDims.{name} must be an integer >= 1, got {value!r}")
@@ -51,6 +55,10 @@ class ParallelDims:
             isinstance(self.data, bool) or not isinstance(self.data, int) or self.data < 1
         ):
             raise ValueError(f"ParallelDims.data must be an integer >= 1 or None, got {self.data!r}")
+        if self.virtual_stages > 1 and self.pipeline == 1:
+            raise ValueError(
+                f"ParallelDims.virtual_stages={self.virtual_stages} needs pipeline stages: set pipeline >= 2"
+            )
 
     def resolve(self, world_size: int) -> ParallelDims:
         """These degrees for a world of `world_size` ranks, `data` filled in; raises ValueError naming the
@@ -67,7 +75,7 @@ class ParallelDims:
                 f"ParallelDims(data={self.data}) with tensor {self.tensor} x pipeline {self.pipeline} needs "
                 f"{self.data * cut} ranks; the world has {world_size} (data would be {data})"
             )
-        return ParallelDims(self.tensor, self.pipeline, data)
+        return ParallelDims(self.tensor, self.pipeline, data, self.virtual_stages)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -76,9 +84,15 @@ class ParallelDims:
             raise ValueError("resolve(world_size) first: the data degree is not known yet")
         return self.pipeline, self.data, self.tensor
 
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages the model is cut into (`pipeline * virtual_stages`)."""
+        return self.pipeline * self.virtual_stages
+
     def __str__(self) -> str:
         data = "?" if self.data is None else self.data
-        return f"tensor {self.tensor} x pipeline {self.pipeline} x data {data}"
+        virtual = f" ({self.virtual_stages} stages each)" if self.virtual_stages > 1 else ""
+        return f"tensor {self.tensor} x pipeline {self.pipeline}{virtual} x data {data}"
 
 
 @dataclass
@@ -137,20 +151,50 @@ def parallel_groups(
     return parallel if isinstance(parallel, ParallelGroups) else build_groups(parallel)
 
 
-def apply_model_plan(module: nn.Module, groups: ParallelGroups) -> dict[str, TensorSlice]:
-    """Cut `module` for its tensor group following the plan it declares (`base_model_tp_plan`); returns
-    each cut parameter's slice by name (none with tensor 1). A meta model is cut in shape: the engine
-    initializes each parameter whole and keeps this rank's slice."""
-    if groups.dims.pipeline > 1:
-        raise ValueError(
-            f"{groups.dims}: pipeline stages are not supported by this engine yet; use pipeline=1"
-        )
-    if groups.dims.tensor == 1:
-        return {}
-    # The model declares its plan; cutting it is the model package's, which knows the layouts it fuses.
+@dataclass
+class ModelPlan:
+    """What the model's declared plans made of it on this rank: its tensor slices by parameter name, and
+    with pipeline stages the split (tnlg.modeling.pipeline.PipelineSplit: this rank's stage modules)."""
+
+    tensor_slices: dict[str, TensorSlice]
+    pipeline: PipelineSplit | None = None
+
+
+def apply_model_plan(module: nn.Module, groups: ParallelGroups) -> ModelPlan:
+    """Cut `module` for this rank: first down to its pipeline stages, then its tensor slices, following
+    the plans the model declares (`split_pipeline`, `base_model_tp_plan`). A meta model is cut in shape:
+    the engine initializes each parameter whole and keeps this rank's slice."""
+    # The model declares its plans; cutting them is the model package's, which knows its layouts.
+    from tnlg.modeling.pipeline import rank_stages, split_pipeline
     from tnlg.modeling.tensor_parallel import apply_tensor_parallel
 
-    return apply_tensor_parallel(module, groups.tensor)
+    dims = groups.dims
+    split = None
+    if dims.pipeline > 1:
+        stages = rank_stages(groups.rank("pipeline"), dims.pipeline, dims.virtual_stages)
+        split = split_pipeline(module, stages, dims.num_stages)
+    slices = apply_tensor_parallel(module, groups.tensor) if dims.tensor > 1 else {}
+    return ModelPlan(slices, split)
+
+
+def shared_parameter_groups(groups: ParallelGroups, split: PipelineSplit) -> dict[str, dist.ProcessGroup]:
+    """{parameter name: the process group of the pipeline ranks holding it} for this rank's parameters
+    that more than one pipeline rank holds (the tied embedding on the first and last stage), one group
+    per (data, tensor) coordinate. Collective: every rank creates every group, in the same order."""
+    degree = groups.dims.pipeline
+    ranks = groups.mesh.mesh.reshape(degree, -1)  # (pipeline, data x tensor): global ranks
+    me = dist.get_rank()
+    result = {}
+    for name, stages in sorted(split.shared.items()):
+        holders = sorted({stage % degree for stage in stages})
+        if len(holders) < 2:
+            continue
+        for column in range(ranks.shape[1]):
+            members = [int(ranks[row, column]) for row in holders]
+            group = dist.new_group(members)
+            if me in members:
+                result[name] = group
+    return result
 
 
 def gather_tensor_slices(

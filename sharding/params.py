@@ -27,10 +27,11 @@ behind the gradient reductions (see [Note: gather group] in collectives.py).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -109,6 +110,7 @@ class ParameterScheduler:
         for (group_id, unit_index), block_index in unit_blocks.items():
             self._block_of[(group_id, unit_index)] = self.blocks[block_index]
         self.root = self.blocks[-1]
+        self.root_held = False  # a pipeline schedule's whole batch: see hold_root
         self.ordered = [b for b in self.blocks if not b.is_root and b.units]
         # Weak: the user keeps the model (and perhaps a loss and its graph) after dropping the engine;
         # these hooks must not keep the scheduler, and through it every shard, alive (see
@@ -202,10 +204,25 @@ class ParameterScheduler:
 
     def release_all(self) -> None:
         for block in self.blocks:
+            if block.is_root and self.root_held:
+                continue
             block.release()
             block.units_reduced = 0
             block.backward_prepared = False
             block.needed_by_backward = False
+
+    @contextlib.contextmanager
+    def hold_root(self) -> Iterator[None]:
+        """Keep the root block gathered across several forwards and backwards: a pipeline schedule
+        interleaves its micro-batches' forwards and backwards, and calls the stage's modules, not the
+        root module whose forward hooks gather it otherwise. Released at the end."""
+        self.root.ensure_gathered()
+        self.root_held = True
+        try:
+            yield
+        finally:
+            self.root_held = False
+            self.release_all()
 
     # ------------------------------------------------------------------ prefetch
     def _prefetch(self, position: int, step: int) -> None:

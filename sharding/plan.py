@@ -6,6 +6,7 @@ every rank, before any collective runs: a bad input raises on all ranks together
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -44,12 +45,17 @@ class ShardingPlan:
 
 
 def plan_sharding(
-    module: nn.Module, optimizer: torch.optim.Optimizer | None, config: ZeroConfig
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    config: ZeroConfig,
+    own_units: Collection[str] = (),
 ) -> ShardingPlan:
     """Validate the inputs and plan the units; raises ValueError naming the problem.
 
     Without an optimizer (an inference-only engine) every parameter is sharded, in one group:
-    frozen ones too, since an inference model is usually frozen and sharding it is the point."""
+    frozen ones too, since an inference model is usually frozen and sharding it is the point.
+    The parameters named in `own_units` get a unit each, alone, so that their pieces are cut alike
+    on every rank that holds them whatever else it holds (a tied embedding on two pipeline stages)."""
     named = list(module.named_parameters())  # tied parameters appear once, under their first name
     if not named:
         raise ValueError("the model has no parameters")
@@ -93,7 +99,30 @@ def plan_sharding(
         for group in groups:
             group.units = pack_units([p.numel() for p in group.params], config.reduce_bucket_size)
             group.unit_blocks = [None] * len(group.units)
+    _isolate_units(groups, set(own_units), set(names.values()))
     return ShardingPlan(groups, blocks, named[0][1].device)
+
+
+def _isolate_units(groups: list[GroupPlan], alone: set[str], names: set[str]) -> None:
+    """Take the parameters named in `alone` out of their units into a unit each (same block); the rest
+    of such a unit splits around them, so every unit stays a run of the parameter order."""
+    if alone - names:
+        raise ValueError(f"own_units names parameters the model does not have: {sorted(alone - names)}")
+    for group in groups:
+        units, blocks = [], []
+        for members, block in zip(group.units, group.unit_blocks, strict=True):
+            run: list[int] = []
+            for i in members:
+                if group.names[i] in alone:
+                    units += [run, [i]] if run else [[i]]
+                    blocks += [block, block] if run else [block]
+                    run = []
+                else:
+                    run.append(i)
+            if run:
+                units.append(run)
+                blocks.append(block)
+        group.units, group.unit_blocks = units, blocks
 
 
 def _find_blocks(module: nn.Module) -> list[BlockPlan]:

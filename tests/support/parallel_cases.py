@@ -91,9 +91,9 @@ def tnlg_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=1e-2, eps=1e-3)
 
 
-def tnlg_reference(clip: float = 0.0) -> dict:
+def tnlg_reference(clip: float = 0.0, layers: int = 2) -> dict:
     """One process on the global batches: per-step losses and gradient norms, the final parameters."""
-    model = make_tnlg()
+    model = make_tnlg(num_hidden_layers=layers)
     optimizer = tnlg_optimizer(model)
     losses, norms = [], []
     for ids, labels in tnlg_batches():
@@ -112,14 +112,25 @@ def tnlg_reference(clip: float = 0.0) -> dict:
     }
 
 
-def train_tensor_data(rank: int, world_size: int, tensor: int, stage: int, clip: float = 0.0) -> dict:
-    """The tiny TNLG model cut `tensor` ways, ZeRO `stage` over the data ranks, trained with
-    train_batch on each data rank's share of the global batches (one micro-batch per sequence)."""
-    model = make_tnlg()
+def train_tensor_data(
+    rank: int,
+    world_size: int,
+    tensor: int,
+    stage: int,
+    clip: float = 0.0,
+    pipeline: int = 1,
+    virtual_stages: int = 1,
+    layers: int = 2,
+) -> dict:
+    """The tiny TNLG model cut `tensor` ways and into `pipeline` x `virtual_stages` stages, ZeRO `stage`
+    over the data ranks, trained with train_batch on each data rank's share of the global batches (one
+    micro-batch per sequence)."""
+    model = make_tnlg(num_hidden_layers=layers)
     config = ZeroConfig(
         stage=stage, reduce_bucket_size=500, param_persistence_threshold=40, gradient_clipping=clip
     )
-    engine = initialize(model, tnlg_optimizer(model), config, parallel=ParallelDims(tensor=tensor))
+    dims = ParallelDims(tensor=tensor, pipeline=pipeline, virtual_stages=virtual_stages)
+    engine = initialize(model, tnlg_optimizer(model), config, parallel=dims)
     data_rank, data_size = engine.parallel.rank("data"), engine.parallel.dims.data
     losses, norms = [], []
     for ids, labels in tnlg_batches():
