@@ -52,7 +52,7 @@ from .partition import Unit
 from .pipeline import PipelineRunner, keep_stage_parameters
 from .plan import ShardingPlan, plan_sharding
 from .pretrained import SOURCE_ATTRIBUTE, PretrainedSource, load_pretrained
-from .schedule import train_batch
+from .schedule import eval_batch, train_batch
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +180,14 @@ class ZeroEngine(nn.Module):
         if self.pipeline is not None:
             return self.pipeline.train_batch(self, micro_batches)
         return train_batch(self, micro_batches)
+
+    def eval_batch(self, micro_batches: Sequence[Any]) -> torch.Tensor:
+        """The mean loss over `micro_batches` (as `train_batch` takes them) and the data-parallel ranks,
+        forward only: through the pipeline schedule with pipeline stages, else micro-batch by micro-batch."""
+        self._require_open("eval_batch")
+        if self.pipeline is not None:
+            return self.pipeline.eval_batch(self, micro_batches)
+        return eval_batch(self, micro_batches)
 
     def _require_optimizer(self, action: str) -> None:
         self._require_open(action)
@@ -725,9 +733,10 @@ def initialize(
     accumulation (see `TrainingConfig`).
 
     `parallel` lays the world out as tensor x pipeline x data (see [Note: parallel layout] in
-    parallel.py): the model's declared tensor-parallel plan is applied to it (it must hold its weights,
-    the same on every rank), and the engine shards over the data-parallel group, instead of
-    `process_group`.
+    parallel.py): the model is cut down to this rank's pipeline stages, then its declared tensor-parallel
+    plan is applied (a model holding weights must hold the same on every rank; a meta model is
+    initialized whole and cut), and the engine shards over the data-parallel group, instead of
+    `process_group`. With pipeline stages, train with `train_batch` (see pipeline.py).
     """
     return ZeroEngine(
         model,

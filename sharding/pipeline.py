@@ -93,6 +93,19 @@ class PipelineRunner:
         engine.step()
         return self._mean_loss(losses, count, device)
 
+    def eval_batch(self, engine: ZeroEngine, micro_batches: Sequence[Any]) -> torch.Tensor:
+        """The mean loss over `micro_batches` and data replicas, forward only (no graph is kept)."""
+        inputs, labels, positions = _stack(micro_batches)
+        count = len(micro_batches)
+        device = engine.groups[0].device
+        schedule, losses = self._schedule(engine, count, tuple(inputs.shape), positions is not None, device)
+        losses.clear()
+        kwargs = {"position_ids": positions.to(device)} if positions is not None else {}
+        hold = engine.scheduler.hold_root() if engine.scheduler is not None else contextlib.nullcontext()
+        with torch.no_grad(), hold:
+            schedule.eval(inputs.to(device), target=labels.to(device), **kwargs)
+        return self._mean_loss(losses, count, device)
+
     # ------------------------------------------------------------------ schedule
     def _schedule(
         self,

@@ -250,6 +250,12 @@ def _match(module: nn.Module, checkpoint: SafetensorsCheckpoint) -> _Match:
         elif not bad:
             keys[first] = found
     unexpected = sorted(available - used)
+    # A pipeline stage holds some layers only: the tensors of the modules other stages hold are theirs.
+    elsewhere = [m.dropped_name + "." for m in module.modules() if getattr(m, "held_by_other_stage", False)]
+    if elsewhere:
+        unexpected = [
+            k for k in unexpected if not any(c.startswith(tuple(elsewhere)) for c in _candidates(k, prefix))
+        ]
     if prefix and not hasattr(module, prefix):
         # The base model loading a checkpoint of a model with a head: the head is not part of it.
         unexpected = [k for k in unexpected if k.startswith(prefix + ".")]

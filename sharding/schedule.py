@@ -74,3 +74,22 @@ def train_batch(engine: ZeroEngine, micro_batches: Sequence[Any]) -> torch.Tenso
     mean = total / count
     engine.collectives.all_reduce(mean)
     return (mean / engine.collectives.world_size).cpu()
+
+
+def eval_batch(engine: ZeroEngine, micro_batches: Sequence[Any]) -> torch.Tensor:
+    """The mean loss over `micro_batches` and the data-parallel ranks, without gradients (a detached fp32
+    scalar on the CPU, the same on every rank)."""
+    if isinstance(micro_batches, (Mapping, torch.Tensor)) or not isinstance(micro_batches, Sequence):
+        raise ValueError(
+            f"eval_batch takes a list of micro-batches, got {type(micro_batches).__name__}; wrap one batch in a list"
+        )
+    if not micro_batches:
+        raise ValueError("eval_batch got no micro-batches")
+    device = engine.groups[0].device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for micro_batch in micro_batches:
+            total += run_micro_batch(engine, micro_batch).float().to(device)
+    mean = total / len(micro_batches)
+    engine.collectives.all_reduce(mean)
+    return (mean / engine.collectives.world_size).cpu()

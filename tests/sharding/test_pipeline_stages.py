@@ -1,0 +1,134 @@
+"""Pipeline stages composed with ZeRO (and tensor slicing): equal to one process, what is refused, and the
+communication of a step against the analytic volumes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.sharding.test_parallel_dims import assert_equal_to_one_process
+from tests.support.parallel_cases import tnlg_batches, tnlg_reference, train_tensor_data
+from tests.support.pipeline_cases import (
+    evaluate_after_training,
+    pipeline_refusals,
+    pipeline_traffic,
+    pretrained_stages,
+)
+from tests.support.tensor_parallel_cases import make_config, make_model
+from tnlg.sharding import ParallelDims
+from tnlg.tools.spawn import run_distributed
+
+
+@pytest.fixture(scope="module")
+def reference_2_layers():
+    return tnlg_reference()
+
+
+@pytest.fixture(scope="module")
+def reference_4_layers():
+    return tnlg_reference(layers=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_pipeline_2_x_data_2_trains_like_one_process(reference_2_layers, stage):
+    results = run_distributed(train_tensor_data, 4, 1, stage, 0.0, 2, timeout=600)
+    assert_equal_to_one_process(results[0], reference_2_layers)
+    assert all(r["state"] == {} for r in results[1:])  # consolidated on rank 0 only
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_tensor_2_x_pipeline_2_trains_like_one_process(reference_2_layers, stage):
+    results = run_distributed(train_tensor_data, 4, 2, stage, 0.0, 2, timeout=600)
+    assert_equal_to_one_process(results[0], reference_2_layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tensor", "stage"), [(1, 3), (2, 2)])
+def test_interleaved_stages_train_like_one_process(reference_4_layers, tensor, stage):
+    # 4 layers in 4 stages, 2 per rank (stages r and r + 2): the interleaved 1F1B schedule.
+    results = run_distributed(train_tensor_data, 4, tensor, stage, 0.0, 2, 2, 4, timeout=600)
+    assert_equal_to_one_process(results[0], reference_4_layers)
+
+
+@pytest.mark.slow
+def test_clipping_counts_the_tied_embedding_once():
+    # The norm sums over the stages; the tied embedding's copy on the last stage must not count twice,
+    # or the clipped update (and every later loss) would differ from one process's.
+    reference = tnlg_reference(clip=0.5)
+    results = run_distributed(train_tensor_data, 4, 1, 2, 0.5, 2, timeout=600)
+    assert_equal_to_one_process(results[0], reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("pipeline", "tensor"), [(2, 1), (2, 2)])
+def test_eval_batch_is_the_whole_models_loss(pipeline, tensor):
+    results = run_distributed(evaluate_after_training, 4, pipeline, tensor, 3, timeout=600)
+    model = make_model()
+    model.load_state_dict(results[0]["state"])
+    ids, labels = tnlg_batches(3)[2]
+    with torch.no_grad():
+        expected = model(ids, labels=labels).loss.item()
+    assert {r["loss"] for r in results} == {results[0]["loss"]}  # the same on every rank
+    assert results[0]["loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_what_pipeline_stages_cannot_run_is_refused_by_name():
+    mask, no_labels, shapes, tuples, forward = run_distributed(pipeline_refusals, 2, timeout=300)[0]
+    assert "unsupported: ['attention_mask']" in mask
+    assert "missing: ['labels']" in no_labels
+    assert "must all have one shape" in shapes
+    assert "each micro-batch is a mapping" in tuples
+    assert "holds pipeline stages [0] of 2, not the whole model: train with engine.train_batch" in forward
+
+
+def test_virtual_stages_need_pipeline_stages():
+    with pytest.raises(ValueError, match="virtual_stages=2 needs pipeline stages"):
+        ParallelDims(virtual_stages=2)
+    assert ParallelDims(pipeline=2, virtual_stages=3).num_stages == 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_step_traffic_equals_the_analytic_pipeline_and_zero_volumes(stage):
+    results = run_distributed(pipeline_traffic, 4, stage, timeout=600)
+    h = make_config().hidden_size
+    for traffic in results:
+        counted, units, micro = dict(traffic["bytes"]), traffic["units"], traffic["micro_batches"]
+        # Pipeline: each micro-batch's activations (b x s x h, fp32) go forward from the first stage, and
+        # their gradient comes back from the last: one message per micro-batch from every rank.
+        assert counted.pop("send/pipeline") == micro * traffic["tokens"] * h * 4
+        # ZeRO over the data ranks, of each stage's parameters: stages 2-3 reduce-scatter every
+        # micro-batch's gradients, stage 1 the accumulated ones once; stages 1-2 all-gather the updated
+        # parameters once; stage 3 gathers each block (one layer here) in every micro-batch's forward and
+        # backward, the root block once for the schedule, the persistent parameters after the step.
+        scatters = 1 if stage == 1 else micro
+        assert counted.pop("reduce_scatter/data") == 4 * scatters * units["full"]
+        if stage == 3:
+            gathered = 2 * micro * units["block"] + units["root"] + units["persistent"]
+        else:
+            gathered = units["full"]
+        assert counted.pop("all_gather/data") == 4 * gathered
+        # The tied embedding: this rank's piece of its gradient summed over first and last stage.
+        assert counted.pop("all_reduce/shared") == 4 * units["shared_piece"]
+        # The norm's fp64 scalar over data and pipeline; the mean loss broadcast from the last stage and
+        # averaged over the data replicas.
+        assert counted.pop("all_reduce/data") == 8 + 4
+        assert counted.pop("all_reduce/pipeline") == 8
+        assert counted.pop("broadcast/pipeline") == 4
+        assert counted == {}  # nothing else
+
+
+@pytest.mark.slow
+def test_each_stage_reads_its_own_tensors_of_a_pretrained_checkpoint(tmp_path):
+    model = make_model(num_hidden_layers=4)
+    model.save_pretrained(tmp_path)
+    results = run_distributed(pretrained_stages, 4, str(tmp_path), 3, timeout=600)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(results[0]["state"][name], tensor), name
+    # Stage 3 over 2 data ranks: each rank reads about half of its stage's tensors, not the whole model.
+    whole = sum(
+        t.numel() * t.element_size() for t in model.state_dict().values() if t is not model.lm_head.weight
+    )
+    assert all(r["bytes_read"] < 0.5 * whole for r in results)

@@ -1,0 +1,173 @@
+"""What each rank runs in the pipeline-stage tests (module-level so that spawned processes import it)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import schedules
+
+from tests.support.parallel_cases import tnlg_batches, tnlg_optimizer
+from tests.support.tensor_parallel_cases import make_model as make_tnlg
+from tnlg.sharding import ParallelDims, ZeroConfig, initialize
+
+SMALL_UNITS = {"reduce_bucket_size": 500, "param_persistence_threshold": 40}
+
+
+def data_share(engine, ids: torch.Tensor, labels: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """This rank's data replica's share of a global batch, one micro-batch per sequence."""
+    rank, size = engine.parallel.rank("data"), engine.parallel.dims.data
+    share = slice(rank * len(ids) // size, (rank + 1) * len(ids) // size)
+    return [{"input_ids": i[None], "labels": t[None]} for i, t in zip(ids[share], labels[share], strict=True)]
+
+
+def evaluate_after_training(rank: int, world_size: int, pipeline: int, tensor: int, stage: int) -> dict:
+    """Two steps, then eval_batch on the next global batch: its loss, and the consolidated parameters it
+    was computed with (to compare with the whole model's forward)."""
+    model = make_tnlg()
+    dims = ParallelDims(tensor=tensor, pipeline=pipeline)
+    engine = initialize(model, tnlg_optimizer(model), ZeroConfig(stage=stage, **SMALL_UNITS), parallel=dims)
+    batches = tnlg_batches(3)
+    for ids, labels in batches[:2]:
+        engine.train_batch(data_share(engine, ids, labels))
+    loss = engine.eval_batch(data_share(engine, *batches[2])).item()
+    state = engine.full_state_dict()
+    engine.close()
+    return {"loss": loss, "state": state}
+
+
+def pipeline_refusals(rank: int, world_size: int) -> list[str]:
+    """What train_batch and forward refuse under pipeline stages, by message."""
+    model = make_tnlg()
+    engine = initialize(model, tnlg_optimizer(model), ZeroConfig(stage=1), parallel=ParallelDims(pipeline=2))
+    ids, labels = tnlg_batches(1)[0]
+    messages = []
+    attempts = [
+        lambda: engine.train_batch(
+            [{"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}]
+        ),
+        lambda: engine.train_batch([{"input_ids": ids}]),
+        lambda: engine.train_batch(
+            [{"input_ids": ids, "labels": labels}, {"input_ids": ids[:2], "labels": labels[:2]}]
+        ),
+        lambda: engine.train_batch([(ids, labels)]),
+        lambda: engine(ids, labels=labels),
+    ]
+    for attempt in attempts:
+        try:
+            attempt()
+        except (ValueError, RuntimeError) as error:
+            messages.append(str(error))
+    engine.close()
+    return messages
+
+
+def unit_sizes(engine) -> dict[str, int]:
+    """Elements of this rank's units by kind (stage 3 blocks, the root block, persistent ones), all of
+    them, and this rank's piece of the shared (tied) parameters."""
+    units = {"block": 0, "root": 0, "persistent": 0, "full": 0, "shared_piece": 0}
+    root_index = len(engine.scheduler.blocks) - 1 if engine.scheduler else None
+    for group in engine.groups:
+        units["full"] += group.layout.full_numel
+        for unit in group.layout.units:
+            block = group.unit_blocks[unit.index]
+            kind = "persistent" if block is None else ("root" if block == root_index else "block")
+            units[kind] += unit.numel
+    for name in engine.pipeline.shared:
+        units["shared_piece"] += engine.parameter_unit(name)[1].piece
+    return units
+
+
+def pipeline_traffic(rank: int, world_size: int, stage: int) -> dict:
+    """Bytes one train_batch step moves at pipeline 2 x data 2 (fp32, 2 micro-batches of one sequence),
+    counted where the engine and torch's schedule call into torch.distributed, by kind and group; and the
+    sizes the analytic volumes need."""
+    from tnlg.sharding import collectives
+
+    model = make_tnlg()
+    engine = initialize(
+        model,
+        tnlg_optimizer(model),
+        ZeroConfig(stage=stage, **SMALL_UNITS),
+        parallel=ParallelDims(pipeline=2),
+    )
+    ids, labels = tnlg_batches(1)[0]
+    micro = data_share(engine, ids, labels)
+    engine.train_batch(micro)  # warm-up: nothing left to build in the counted step
+    groups = {id(engine.parallel.group(d)): d for d in ("pipeline", "data", "tensor")}
+    groups.update({id(group): "shared" for group in engine.pipeline.shared.values()})
+    counted: dict[str, int] = {}
+
+    def nbytes(tensor: torch.Tensor) -> int:
+        return tensor.numel() * tensor.element_size()
+
+    def count(kind: str, group, size: int) -> None:
+        key = f"{kind}/{groups.get(id(group), 'other')}"
+        counted[key] = counted.get(key, 0) + size
+
+    def counting(kind, original, size_of):
+        def call(*args, **kwargs):
+            count(kind, kwargs.get("group"), size_of(*args))
+            return original(*args, **kwargs)
+
+        return call
+
+    def counting_p2p(original):
+        def call(ops, *args, **kwargs):
+            for op in ops:
+                if op.op is dist.isend:  # each message once, at its sender
+                    count("send", op.group, nbytes(op.tensor))
+            return original(ops, *args, **kwargs)
+
+        return call
+
+    patches = [
+        (dist, "all_reduce", counting("all_reduce", dist.all_reduce, lambda t, *r: nbytes(t))),
+        (dist, "broadcast", counting("broadcast", dist.broadcast, lambda t, *r: nbytes(t))),
+        (
+            collectives,
+            "_all_gather",
+            counting("all_gather", collectives._all_gather, lambda o, *r: nbytes(o)),
+        ),
+        (
+            collectives,
+            "_reduce_scatter",
+            counting("reduce_scatter", collectives._reduce_scatter, lambda o, f, *r: nbytes(f)),
+        ),
+        (schedules, "_batch_p2p", counting_p2p(schedules._batch_p2p)),
+    ]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, patched in patches:
+        setattr(module, name, patched)
+    try:
+        engine.train_batch(micro)
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+    result = {
+        "bytes": counted,
+        "units": unit_sizes(engine),
+        "micro_batches": len(micro),
+        "tokens": micro[0]["input_ids"].numel(),
+        "first": engine.pipeline.holds_first,
+    }
+    engine.close()
+    return result
+
+
+def pretrained_stages(rank: int, world_size: int, path: str, stage: int) -> dict:
+    """A meta model of the checkpoint at `path`, cut into 2 stages: each rank reads its stage's tensors
+    (bytes read reported) and the consolidated state comes back whole."""
+    from tnlg.modeling import TNLGForCausalLM
+    from tnlg.sharding import meta_from_pretrained
+
+    model = meta_from_pretrained(TNLGForCausalLM, path)
+    engine = initialize(
+        model,
+        tnlg_optimizer(model),
+        ZeroConfig(stage=stage, **SMALL_UNITS),
+        parallel=ParallelDims(pipeline=2),
+    )
+    state = engine.full_state_dict()
+    read = engine.pretrained_bytes_read
+    engine.close()
+    return {"state": state, "bytes_read": read}
