@@ -3,6 +3,10 @@
 python scripts/estimate_memory.py                               # tnlg-17b and mt-nlg-530b
 python scripts/estimate_memory.py --preset tnlg-17b --offload --device-memory 80GB
 python scripts/estimate_memory.py --config configs/pretrain/tnlg-17b.yaml --world-sizes 32
+python scripts/estimate_memory.py --config configs/pretrain/mt-nlg-530b.yaml --world-sizes 2240
+
+With pipeline stages each row is the pipeline rank that needs the most device memory (its "pipe rank"
+column says which), in the estimate and in the plan alike.
 
 With --config it also prints the meta-device plan (tnlg/tools/memory_plan.py): the run's model built on
 the meta device, cut and laid out by the engine's own planner at each world size, with stage 3's
@@ -59,6 +63,8 @@ RUN_DECIDES = {
     "no_activation_checkpointing": False,
     "offload_activations": False,
     "tensor_parallel": 1,
+    "pipeline_parallel": 1,
+    "virtual_stages": 1,
 }
 
 
@@ -120,7 +126,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tensor-parallel",
         type=int,
-        help="(run) tensor slicing degree; ZeRO shards over world / t; default 1",
+        help="(run) tensor slicing degree; ZeRO shards over world / (t x p); default 1",
+    )
+    parser.add_argument(
+        "--pipeline-parallel",
+        type=int,
+        help="(run) pipeline stages p; each row is the pipeline rank needing the most memory; default 1",
+    )
+    parser.add_argument(
+        "--virtual-stages",
+        type=int,
+        help="(run) stages per pipeline rank (interleaved 1F1B); default 1",
     )
     parser.add_argument(
         "--device-memory",
@@ -146,6 +162,8 @@ def studies_from_flags(args: argparse.Namespace) -> list[Study]:
         "activation_checkpointing": not args.no_activation_checkpointing,
         "offload_activations": args.offload_activations,
         "tensor_parallel": args.tensor_parallel,
+        "pipeline_parallel": args.pipeline_parallel,
+        "virtual_stages": args.virtual_stages,
     }
     return [
         Study(preset, TNLGConfig.from_preset(preset), args.stages, options, args.offload, args.offload)
@@ -168,6 +186,9 @@ def study_from_run_config(path: str, optimizer: str) -> Study:
         "offload_activations": section.activation_checkpointing.cpu_offload,
         "param_persistence_threshold": zero.param_persistence_threshold,
         "tensor_parallel": run.parallel.tensor,
+        "pipeline_parallel": run.parallel.pipeline,
+        # the run config's parallel section may not name virtual stages: then one per pipeline rank
+        "virtual_stages": getattr(run.parallel, "virtual_stages", 1),
     }
     return Study(
         f"{path} ({section.init_from or section.preset})",
@@ -196,6 +217,7 @@ def print_study(study: Study, world_sizes: list[int], device_memory: int | None)
         f"{options['mixed_precision']}, {options['optimizer']}, micro batch {options['micro_batch_size']} x "
         f"{seq_len} tokens, activation checkpointing {checkpointing}"
         + (f", tensor slicing {options['tensor_parallel']}" if options["tensor_parallel"] > 1 else "")
+        + _pipeline_words(options)
         + "; GB per rank"
     )
     print(format_table(rows))
@@ -213,23 +235,48 @@ def print_study(study: Study, world_sizes: list[int], device_memory: int | None)
         print_plan(study, rows, device_memory)
 
 
+def _pipeline_words(options: dict[str, Any]) -> str:
+    degree, virtual = options["pipeline_parallel"], options["virtual_stages"]
+    if degree == 1:
+        return ""
+    return f", {degree} pipeline stages" + (
+        f" x {virtual} virtual (interleaved)" if virtual > 1 else " (1F1B)"
+    )
+
+
 def print_plan(study: Study, estimates: list[MemoryEstimate], device_memory: int | None) -> None:
-    """The meta-device plan of the run at each world size (activations from the estimate's formula)."""
+    """The meta-device plan of the run at each world size (activations from the estimate's formula,
+    each pipeline rank's own)."""
     model = meta_model(study.model)
     optimizer = build_optimizer(model, study.run.optimizer)
-    plans = [
-        plan_rank_memory(
-            model,
-            optimizer,
-            study.zero,
-            world_size=estimate.world_size,
-            optimizer_kind=study.options["optimizer"],
-            activations=estimate.activations,
-            offloaded_activations=estimate.offloaded_activations,
-            tensor_parallel=study.options["tensor_parallel"],
+    options = study.options
+    plans = []
+    for estimate in estimates:
+        ranks = [
+            estimate_memory(
+                study.model,
+                world_size=estimate.world_size,
+                stage=estimate.stage,
+                **study.offload(estimate.stage),
+                **options,
+                pipeline_rank=rank,
+            )
+            for rank in range(options["pipeline_parallel"])
+        ]
+        plans.append(
+            plan_rank_memory(
+                model,
+                optimizer,
+                study.zero,
+                world_size=estimate.world_size,
+                optimizer_kind=options["optimizer"],
+                activations=[rank.activations for rank in ranks],
+                offloaded_activations=[rank.offloaded_activations for rank in ranks],
+                tensor_parallel=options["tensor_parallel"],
+                pipeline_parallel=options["pipeline_parallel"],
+                virtual_stages=options["virtual_stages"],
+            )
         )
-        for estimate in estimates
-    ]
     plan = plans[0]
     print(
         f"meta-device plan (the engine's layout of this run's model): largest unit {plan.largest_unit:,} "

@@ -53,3 +53,26 @@ def measured_tensor_memory(rank: int, world_size: int, stage: int) -> dict:
     stats = engine.memory_stats()
     engine.close()
     return stats
+
+
+def measured_pipeline_memory(rank: int, world_size: int, stage: int, layers: int) -> dict:
+    """Model-state bytes of the tiny TNLG model (tied embeddings) after a step at pipeline 2 x data 2
+    (fp32), and which pipeline rank this rank is."""
+    from tests.support.parallel_cases import tnlg_batches, tnlg_optimizer
+    from tests.support.tensor_parallel_cases import make_model as make_tnlg
+    from tnlg.sharding import ParallelDims
+
+    model = make_tnlg(num_hidden_layers=layers)
+    config = ZeroConfig(stage=stage, reduce_bucket_size=500, param_persistence_threshold=40)
+    engine = initialize(model, tnlg_optimizer(model), config, parallel=ParallelDims(pipeline=2))
+    ids, labels = tnlg_batches(1)[0]
+    data_rank = engine.parallel.rank("data")
+    share = slice(2 * data_rank, 2 * data_rank + 2)
+    micro = [
+        {"input_ids": i[None], "labels": t[None]} for i, t in zip(ids[share], labels[share], strict=True)
+    ]
+    engine.train_batch(micro)
+    stats = engine.memory_stats()
+    pipeline_rank = engine.parallel.rank("pipeline")
+    engine.close()
+    return {"stats": stats, "pipeline_rank": pipeline_rank}

@@ -8,6 +8,7 @@ import pytest
 
 from tests.support import REPO
 from tnlg.modeling import TNLGConfig
+from tnlg.modeling.pipeline import stage_layers
 from tnlg.sharding import ZeroConfig
 from tnlg.tools.memory import (
     GB,
@@ -286,7 +287,7 @@ def test_script_refuses_settings_a_run_config_decides(capsys):
     assert "--config decides --no-activation-checkpointing" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("name", "stage", "ranks"), [("tnlg-17b", "1", "32"), ("mt-nlg-530b", "3", "512")])
+@pytest.mark.parametrize(("name", "stage", "ranks"), [("tnlg-17b", "1", "32"), ("mt-nlg-530b", "1", "2240")])
 def test_the_big_run_configs_fit_80_gb_with_their_checkpointing(capsys, name, stage, ranks):
     from scripts.estimate_memory import main
 
@@ -381,3 +382,124 @@ def test_tensor_degrees_that_cut_heads_are_named_with_the_valid_ones():
         estimate_memory(config, world_size=28, stage=3, tensor_parallel=7)
     with pytest.raises(ValueError, match="tensor_parallel=4 does not divide world_size=6"):
         estimate_memory(config, world_size=6, stage=3, tensor_parallel=4)
+
+
+def test_pipeline_ranks_hold_their_stages_layers_and_the_tied_embedding_twice():
+    config = TNLGConfig.from_preset("tnlg-17b")  # 78 layers: stages of 19, 20, 20, 19
+    h, v, t, p = config.hidden_size, config.vocab_size, 4, 4
+    layer = sum(_layer_tensor_sizes(config, t))
+    held = [tensor_rank_parameters(config, t, pipeline_parallel=p, pipeline_rank=rank) for rank in range(p)]
+    sizes = [len(run) for run in stage_layers(config.num_hidden_layers, p)]
+    embeddings = v * h // t + config.max_position_embeddings * h
+    assert held[0] == sizes[0] * layer + embeddings
+    assert held[1:3] == [sizes[1] * layer, sizes[2] * layer]
+    assert held[3] == sizes[3] * layer + 2 * h + v * h // t  # final LayerNorm, the tied output layer
+    assert sum(held) == tensor_rank_parameters(config, t) + v * h // t
+    untied = TNLGConfig.from_preset("tnlg-17b", tie_word_embeddings=False)
+    assert sum(
+        tensor_rank_parameters(untied, t, pipeline_parallel=p, pipeline_rank=rank) for rank in range(p)
+    ) == tensor_rank_parameters(untied, t)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_shards_a_pipeline_ranks_parameters_over_the_data_degree(tnlg_17b, stage):
+    for rank in range(4):
+        estimate = estimate_memory(
+            tnlg_17b, world_size=64, stage=stage, tensor_parallel=4, pipeline_parallel=4, pipeline_rank=rank
+        )
+        psi = tensor_rank_parameters(tnlg_17b, 4, pipeline_parallel=4, pipeline_rank=rank)
+        assert estimate.model_states == paper_bytes(psi, 64 // 16, stage)
+        assert (estimate.pipeline_rank, estimate.pipeline_parallel, estimate.world_size) == (rank, 4, 64)
+
+
+def _no_dropout(layers: int) -> TNLGConfig:
+    return TNLGConfig.from_preset(
+        "debug", num_hidden_layers=layers, attention_dropout=0.0, hidden_dropout=0.0
+    )
+
+
+def test_1f1b_keeps_p_minus_i_micro_batches_on_stage_i():
+    config, p = _no_dropout(8), 4  # 2 layers a stage
+    per_layer = activation_bytes(config, activation_checkpointing=False) - activation_bytes(
+        _no_dropout(7), activation_checkpointing=False
+    )
+    whole = {flag: activation_bytes(config, activation_checkpointing=flag) for flag in (True, False)}
+    stages = {
+        flag: [
+            activation_bytes(config, activation_checkpointing=flag, pipeline_parallel=p, pipeline_rank=r)
+            for r in range(p)
+        ]
+        for flag in (True, False)
+    }
+    layers = config.num_hidden_layers // p
+    head = whole[False] - config.num_hidden_layers * per_layer  # the embedding mask, final LN, logits
+    for rank, kept in enumerate(stages[False]):
+        assert kept == (p - rank) * layers * per_layer + (head if rank == p - 1 else 0)
+    # Checkpointed: the first stage keeps p x L/p = L layer inputs and recomputes one layer, as one
+    # process does, without the head; the last keeps L/p inputs, one layer, and the head.
+    layer_input = 2 * 128 * config.hidden_size  # bf16 (s, b, h) of the debug shape
+    first, last = stages[True][0], stages[True][-1]
+    assert first == whole[True] - head
+    assert last == layers * layer_input + (whole[True] - config.num_hidden_layers * layer_input)
+    before_last = stages[True][:-1]
+    assert before_last == sorted(set(before_last), reverse=True)  # fewer in flight down the pipeline
+
+
+def test_interleaving_keeps_narayanans_factor_more_on_the_first_stage():
+    config, p, v = _no_dropout(24), 4, 2  # 8 stages of 3 layers, rank 0 holds stages 0 and 4
+    per_layer = activation_bytes(config, activation_checkpointing=False) - activation_bytes(
+        _no_dropout(23), activation_checkpointing=False
+    )
+    first = activation_bytes(
+        config, activation_checkpointing=False, pipeline_parallel=p, virtual_stages=v, pipeline_rank=0
+    )
+    # Narayanan et al. 2021: L(1 + (p - 1)/(p v)) layers' worth, here 24 x 11/8 = 33.
+    assert first == config.num_hidden_layers * (p * v + p - 1) // (p * v) * per_layer
+    assert first > activation_bytes(config, activation_checkpointing=False, pipeline_parallel=p)
+
+
+def test_the_worst_pipeline_rank_is_estimated_by_default(tnlg_17b):
+    options = {"world_size": 64, "stage": 1, "tensor_parallel": 4, "pipeline_parallel": 4}
+    ranks = [estimate_memory(tnlg_17b, **options, pipeline_rank=r) for r in range(4)]
+    worst = estimate_memory(tnlg_17b, **options)
+    assert worst == max(ranks, key=lambda estimate: estimate.device_bytes)
+    assert worst.pipeline_rank == 0  # 1F1B: the first stage keeps the most micro-batches
+    assert "pipe rank" in format_table([worst]) and "0/4" in format_table([worst])
+    assert "pipe rank" not in format_table([estimate_memory(tnlg_17b, world_size=64, stage=1)])
+
+
+def test_smallest_world_size_counts_whole_pipelines(tnlg_17b):
+    options = {"stage": 1, "tensor_parallel": 4, "pipeline_parallel": 4}
+    found = smallest_world_size(tnlg_17b, device_memory_bytes=40 * GB, **options)
+    assert found is not None and found % 16 == 0 and (found // 16) & (found // 16 - 1) == 0
+    assert estimate_memory(tnlg_17b, world_size=found, **options).device_bytes <= 40 * GB
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 24, "pipeline_parallel": 16}, "tensor 1 x pipeline 16 = 16 does not divide"),
+        ({"world_size": 158, "pipeline_parallel": 79}, "79 pipeline stages need at least one layer each"),
+        (
+            {"world_size": 8, "pipeline_parallel": 4, "pipeline_rank": 4},
+            r"pipeline_rank must be an integer in \[0, 3\]",
+        ),
+        ({"world_size": 8, "virtual_stages": 2}, "virtual_stages=2 needs pipeline stages"),
+    ],
+)
+def test_bad_pipeline_layouts_are_named(tnlg_17b, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        estimate_memory(tnlg_17b, stage=1, **kwargs)
+
+
+def test_script_takes_pipeline_stages(capsys):
+    from scripts.estimate_memory import main
+
+    main(["--preset", "tnlg-17b", "--stages", "1", "--world-sizes", "64", "--tensor-parallel", "4", "--pipeline-parallel", "4"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "4 pipeline stages (1F1B)" in out
+    (row,) = [line.split() for line in out.splitlines() if line.split()[:2] == ["1", "64"]]
+    expected = estimate_memory(
+        TNLGConfig.from_preset("tnlg-17b"), world_size=64, stage=1, tensor_parallel=4, pipeline_parallel=4
+    )
+    assert row[3] == "0/4" and float(row[-2]) == pytest.approx(expected.device_bytes / GB, abs=0.005)

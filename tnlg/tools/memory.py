@@ -12,6 +12,10 @@ rank owns an equal piece), so the division is exact whenever N divides Ψ. With 
 parameters and gradients are fp32 and the engine still keeps a separate fp32 master copy: 4 + 4 + 4
 bytes, plus the optimizer state.
 
+With tensor slicing t and pipeline stages p (`estimate_memory(tensor_parallel=, pipeline_parallel=)`)
+Ψ is what one rank holds (its pipeline stages' layers, embeddings or head, cut t ways) and N the data
+degree, world / (t·p): ZeRO shards over the data ranks only, as the engine does.
+
 On top of the model states the estimate counts activations (see `activation_bytes`) and, for stage 3,
 the blocks gathered around their use (see `_stage3_gathered_elements`). Not counted: the CUDA context,
 allocator fragmentation, the reduce buckets of stages 2-3, stage 3 prefetching (which may gather one
@@ -36,7 +40,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tnlg.modeling import TNLGConfig
+from tnlg.modeling.pipeline import rank_stages, stage_layers
 from tnlg.sharding.config import ZeroConfig
+from tnlg.sharding.parallel import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +63,8 @@ class MemoryEstimate:
     live. `gathered` is stage 3's working set of whole blocks, `activations` what forward keeps for
     backward. `offload_copy` is the host's 16-bit copy of the updated shard (offloaded Adam).
     `offloaded_activations` is the part of `activations` held in host memory (checkpointing's CPU offload).
-    `device_bytes` and `cpu_bytes` split the total by the offload settings.
+    `device_bytes` and `cpu_bytes` split the total by the offload settings. With pipeline stages, all
+    of these are pipeline rank `pipeline_rank`'s of `pipeline_parallel`.
     """
 
     num_parameters: int
@@ -74,6 +81,8 @@ class MemoryEstimate:
     gathered: int = 0
     activations: int = 0
     offloaded_activations: int = 0
+    pipeline_parallel: int = 1
+    pipeline_rank: int = 0  # the pipeline rank estimated (estimate_memory's default: the worst)
 
     @property
     def model_states(self) -> int:
@@ -162,13 +171,23 @@ def estimate_memory(
     optimizer: str = "adamw",
     param_persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
     tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    virtual_stages: int = 1,
+    pipeline_rank: int | None = None,
 ) -> MemoryEstimate:
     """Per-rank bytes of model states, stage 3 gathered blocks and activations for training `config`.
 
     `tensor_parallel` t slices every layer across t ranks as the model's plan does (QKV, attention output,
     both MLP matrices and the token embedding / output layer cut; LayerNorms, the row-parallel biases and
-    the position embedding whole on every tensor rank), and ZeRO shards each rank's slices over the
-    world_size / t data-parallel ranks; activations follow Korthikanti et al.'s eq. 2.
+    the position embedding whole on every tensor rank); activations follow Korthikanti et al.'s eq. 2.
+
+    `pipeline_parallel` p cuts the layers into p x `virtual_stages` stages as the engine does
+    (`tnlg.modeling.pipeline.stage_layers`, rank r holding stages r, r + p, ...): the first stage holds
+    the embeddings, the last the final LayerNorm and output layer (with tied embeddings the embedding
+    matrix too). ZeRO shards each rank's parameters over the data degree world_size / (t x p).
+    Activations follow the schedule (see `activation_bytes`). `pipeline_rank` picks the rank to
+    estimate; None (the default) estimates every pipeline rank and returns the one needing the most
+    device memory (its `pipeline_rank` says which; the first on a tie).
 
     `seq_len` defaults to `config.max_position_embeddings`; `micro_batch_size` is per rank.
     `offload_activations` (with `activation_checkpointing`: the run's `model.activation_checkpointing.
@@ -177,7 +196,7 @@ def estimate_memory(
     counted on the device.
 
     Raises ValueError naming the first bad argument (the ZeRO settings with the engine's own ZeroConfig
-    message).
+    message, the layout with ParallelDims').
     """
     if not isinstance(config, TNLGConfig):
         raise ValueError(f"config must be a TNLGConfig, got {type(config).__name__}")
@@ -189,33 +208,129 @@ def estimate_memory(
         param_persistence_threshold=param_persistence_threshold,
     )
     degree = _check_tensor_parallel(config, tensor_parallel, world_size)
-    states = _model_states(tensor_rank_parameters(config, degree), world_size // degree, zero, optimizer)
-    states = replace(states, world_size=world_size)
-    compute = _compute_bytes(mixed_precision)
-    # Stage 3 gathers whole blocks into the compute dtype on the device, and autograd writes their
-    # whole gradients there before they are reduce-scattered into the shard: params + grads.
-    gathered = (
-        2 * compute * _stage3_gathered_elements(config, param_persistence_threshold, degree)
-        if stage == 3
-        else 0
-    )
-    activations = activation_bytes(
-        config,
-        micro_batch_size=micro_batch_size,
-        seq_len=seq_len,
-        compute_bytes=compute,
-        activation_checkpointing=activation_checkpointing,
-        tensor_parallel=degree,
-    )
+    dims = ParallelDims(tensor=degree, pipeline=pipeline_parallel, virtual_stages=virtual_stages)
+    dims = dims.resolve(world_size)
     if not isinstance(offload_activations, bool):
         raise ValueError(f"offload_activations must be True or False, got {offload_activations!r}")
     if offload_activations and not activation_checkpointing:
         raise ValueError("offload_activations needs activation_checkpointing (it offloads what that keeps)")
-    block_input = (
-        compute * micro_batch_size * (seq_len or config.max_position_embeddings) * config.hidden_size
+    ranks = _pipeline_ranks(dims.pipeline, pipeline_rank)
+    activation_options = {
+        "micro_batch_size": micro_batch_size,
+        "seq_len": seq_len,
+        "compute_bytes": _compute_bytes(mixed_precision),
+        "activation_checkpointing": activation_checkpointing,
+    }
+    estimates = [
+        _estimate_rank(config, zero, dims, rank, optimizer, offload_activations, activation_options)
+        for rank in ranks
+    ]
+    worst = max(estimates, key=lambda estimate: estimate.device_bytes)  # max keeps the first on a tie
+    return replace(worst, world_size=world_size)
+
+
+def _pipeline_ranks(degree: int, rank: Any) -> list[int]:
+    """The pipeline ranks to estimate: `rank`, or all of them for None."""
+    if rank is None:
+        return list(range(degree))
+    _check_int("pipeline_rank", rank, minimum=0, maximum=degree - 1)
+    return [rank]
+
+
+def _estimate_rank(
+    config: TNLGConfig,
+    zero: ZeroConfig,
+    dims: ParallelDims,
+    rank: int,
+    optimizer: str,
+    offload_activations: bool,
+    activation_options: dict[str, Any],
+) -> MemoryEstimate:
+    """`estimate_memory` for pipeline rank `rank` of the resolved layout `dims`."""
+    place = pipeline_place(config.num_hidden_layers, dims.pipeline, dims.virtual_stages, rank)
+    degree = dims.tensor
+    held = _rank_tensor_sizes(config, degree, place)
+    states = _model_states(sum(held), dims.data, zero, optimizer)
+    compute = activation_options["compute_bytes"]
+    # Stage 3 gathers whole blocks into the compute dtype on the device, and autograd writes their
+    # whole gradients there before they are reduce-scattered into the shard: params + grads.
+    gathered = (
+        2 * compute * _stage3_gathered_elements(config, zero.param_persistence_threshold, degree, place)
+        if zero.stage == 3
+        else 0
     )
-    offloaded = (config.num_hidden_layers - 1) * block_input if offload_activations else 0
-    return replace(states, gathered=gathered, activations=activations, offloaded_activations=offloaded)
+    activations = activation_bytes(
+        config,
+        **activation_options,
+        tensor_parallel=degree,
+        pipeline_parallel=dims.pipeline,
+        virtual_stages=dims.virtual_stages,
+        pipeline_rank=rank,
+    )
+    seq_len = activation_options["seq_len"] or config.max_position_embeddings
+    block_input = compute * activation_options["micro_batch_size"] * seq_len * config.hidden_size
+    offloaded = (place.kept_layer_inputs - 1) * block_input if offload_activations else 0
+    return replace(
+        states,
+        gathered=gathered,
+        activations=activations,
+        offloaded_activations=offloaded,
+        pipeline_parallel=dims.pipeline,
+        pipeline_rank=rank,
+    )
+
+
+@dataclass(frozen=True)
+class PipelinePlace:
+    """What pipeline rank `rank` of `degree` holds (see [Note: pipeline split] in modeling/pipeline.py),
+    and how many of its stage chunks the schedule keeps in flight at the peak.
+
+    `in_flight` counts micro-batch chunks (one micro-batch through one of the rank's stages) whose
+    forward has run and whose backward has not, at most, with at least as many micro-batches per step
+    as the schedule keeps in flight (what a pipeline needs to be full). Under 1F1B stage r keeps p - r
+    (Narayanan et al. 2021, section 2.2.1: the first stage p); under interleaved 1F1B rank r keeps its
+    warm-up's (v - 1)p + 2(p - 1 - r) chunks plus the one whose backward comes next (torch's
+    `ScheduleInterleaved1F1B`), which for the first rank is p·v·(1 + (p - 1)/(p·v)) chunks of L/(p·v)
+    layers: L·(1 + (p - 1)/(p·v)) layers' worth (section 2.2.2)."""
+
+    rank: int
+    degree: int
+    stages: tuple[int, ...]
+    layers: int  # decoder layers over all of the rank's stages
+    holds_first: bool  # the embeddings
+    holds_last: bool  # the final LayerNorm and output layer
+    in_flight: int
+
+    @property
+    def virtual_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def kept_layer_inputs(self) -> int:
+        """Decoder-layer inputs activation checkpointing keeps at the peak: the rank's layers per chunk
+        (on average over its stages) times the chunks in flight."""
+        return self.layers * self.in_flight // self.virtual_stages
+
+
+def pipeline_place(num_layers: int, degree: int, virtual_stages: int, rank: int) -> PipelinePlace:
+    """The `PipelinePlace` of pipeline rank `rank` (`degree` 1: the whole model on rank 0)."""
+    _check_int("pipeline_rank", rank, minimum=0, maximum=degree - 1)
+    num_stages = degree * virtual_stages
+    layers = stage_layers(num_layers, num_stages)  # the engine's own split
+    stages = tuple(rank_stages(rank, degree, virtual_stages))
+    if virtual_stages == 1:
+        in_flight = degree - rank
+    else:
+        in_flight = (virtual_stages - 1) * degree + 2 * (degree - 1 - rank) + 1
+    return PipelinePlace(
+        rank=rank,
+        degree=degree,
+        stages=stages,
+        layers=sum(len(layers[s]) for s in stages),
+        holds_first=0 in stages,
+        holds_last=num_stages - 1 in stages,
+        in_flight=in_flight,
+    )
 
 
 def activation_bytes(
@@ -226,6 +341,9 @@ def activation_bytes(
     compute_bytes: int = 2,
     activation_checkpointing: bool = True,
     tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    virtual_stages: int = 1,
+    pipeline_rank: int = 0,
 ) -> int:
     """Bytes of activations forward keeps for backward, after Korthikanti et al. 2022.
 
@@ -247,6 +365,12 @@ def activation_bytes(
     With tensor slicing of degree t (no sequence parallelism) the tensors inside the sliced regions are
     cut t ways and the LayerNorm / linear inputs and residual dropout masks stay whole (eq. 2:
     sbh(10 + 24/t + 5as/(ht)) in the paper's setting); the vocabulary-parallel loss keeps 4sbv/t.
+
+    With pipeline stages (`pipeline_parallel` p, `virtual_stages` v) this is pipeline rank
+    `pipeline_rank`'s: each micro-batch in flight keeps what its layers (and, on the first stage, the
+    embedding dropout mask) keep, times the chunks the schedule keeps in flight (`PipelinePlace`;
+    paper, section 4.2.3: the first stage of 1F1B holds p micro-batches of L/p layers, L layers'
+    worth); the one recomputed layer, and on the last stage the head's tensors, for one micro-batch.
     """
     seq_len = config.max_position_embeddings if seq_len is None else seq_len
     _check_positive_int("micro_batch_size", micro_batch_size)
@@ -254,6 +378,8 @@ def activation_bytes(
     _check_choice("compute_bytes", compute_bytes, (2, 4))
     if not isinstance(activation_checkpointing, bool):
         raise ValueError(f"activation_checkpointing must be True or False, got {activation_checkpointing!r}")
+    dims = ParallelDims(tensor=tensor_parallel, pipeline=pipeline_parallel, virtual_stages=virtual_stages)
+    place = pipeline_place(config.num_hidden_layers, dims.pipeline, dims.virtual_stages, pipeline_rank)
 
     s, b, c = seq_len, micro_batch_size, compute_bytes
     h, i, a, v = config.hidden_size, config.intermediate_size, config.num_attention_heads, config.vocab_size
@@ -264,22 +390,29 @@ def activation_bytes(
     attention_mask = scores // t if config.attention_dropout > 0 else 0
     residual_masks = 2 * sbh if config.hidden_dropout > 0 else 0
     layer = whole + sliced + attention_mask + residual_masks
-    head = 2 * c * sbh + FP32_BYTES * s * b * v // t + (sbh if config.embedding_dropout > 0 else 0)
-    layers = config.num_hidden_layers
-    if activation_checkpointing:
-        return layers * c * sbh + layer + head
-    return layers * layer + head
+    embedding_mask = sbh if config.embedding_dropout > 0 and place.holds_first else 0
+    head = 2 * c * sbh + FP32_BYTES * s * b * v // t if place.holds_last else 0
+    kept_per_layer = c * sbh if activation_checkpointing else layer
+    per_micro_batch = place.layers * kept_per_layer + embedding_mask
+    in_flight = per_micro_batch * place.in_flight // place.virtual_stages
+    recomputed = layer if activation_checkpointing else 0
+    return in_flight + recomputed + head
 
 
-def _stage3_gathered_elements(config: TNLGConfig, threshold: int, tensor_parallel: int = 1) -> int:
+def _stage3_gathered_elements(
+    config: TNLGConfig, threshold: int, tensor_parallel: int = 1, place: PipelinePlace | None = None
+) -> int:
     """Elements stage 3 holds whole on a rank at the peak: the root block, one layer, the persistent ones.
 
     The engine (sharding/params.py) keeps the root block (embeddings, tied output layer) gathered
     from the start of forward to the end of backward and gathers decoder layers one at a time.
-    Tensors of at most `threshold` elements (biases, LayerNorms) stay whole on every rank.
+    Tensors of at most `threshold` elements (biases, LayerNorms) stay whole on every rank. `place`:
+    the pipeline rank's layers and root pieces (default: the whole model).
     """
-    layer, root = _layer_tensor_sizes(config, tensor_parallel), _root_tensor_sizes(config, tensor_parallel)
-    persistent = config.num_hidden_layers * sum(n for n in layer if n <= threshold)
+    place = place or pipeline_place(config.num_hidden_layers, 1, 1, 0)
+    layer = _layer_tensor_sizes(config, tensor_parallel)
+    root = _root_tensor_sizes(config, tensor_parallel, place.holds_first, place.holds_last)
+    persistent = place.layers * sum(n for n in layer if n <= threshold)
     persistent += sum(n for n in root if n <= threshold)
     return sum(n for n in root if n > threshold) + sum(n for n in layer if n > threshold) + persistent
 
@@ -295,18 +428,39 @@ def _layer_tensor_sizes(config: TNLGConfig, tensor_parallel: int = 1) -> list[in
     return layer_norm + attention + layer_norm + mlp
 
 
-def _root_tensor_sizes(config: TNLGConfig, tensor_parallel: int = 1) -> list[int]:
+def _root_tensor_sizes(
+    config: TNLGConfig, tensor_parallel: int = 1, holds_first: bool = True, holds_last: bool = True
+) -> list[int]:
     """Element counts of the tensors outside the blocks on one tensor rank: the token embedding (and an
-    untied output layer) cut by vocabulary, the position embedding and final LayerNorm whole."""
+    untied output layer) cut by vocabulary, the position embedding and final LayerNorm whole. Of a
+    pipeline rank: the embeddings if it holds the first stage, the final LayerNorm and output layer
+    (with tied embeddings, the token embedding) if it holds the last."""
     h, v, t = config.hidden_size, config.vocab_size, tensor_parallel
-    output_layer = [] if config.tie_word_embeddings else [v * h // t]
-    return [v * h // t, config.max_position_embeddings * h, h, h, *output_layer]
+    embeddings = [v * h // t, config.max_position_embeddings * h] if holds_first else []
+    tied_copy = config.tie_word_embeddings and not holds_first  # one tensor when one rank holds both
+    output_layer = [v * h // t] if holds_last and (tied_copy or not config.tie_word_embeddings) else []
+    final_layer_norm = [h, h] if holds_last else []
+    return embeddings + final_layer_norm + output_layer
 
 
-def tensor_rank_parameters(config: TNLGConfig, tensor_parallel: int = 1) -> int:
-    """Parameters one tensor rank holds (all of them with t = 1)."""
-    layers = config.num_hidden_layers * sum(_layer_tensor_sizes(config, tensor_parallel))
-    return layers + sum(_root_tensor_sizes(config, tensor_parallel))
+def _rank_tensor_sizes(config: TNLGConfig, tensor_parallel: int, place: PipelinePlace) -> list[int]:
+    """Element counts of every tensor one (tensor, pipeline) rank holds."""
+    layers = place.layers * _layer_tensor_sizes(config, tensor_parallel)
+    return layers + _root_tensor_sizes(config, tensor_parallel, place.holds_first, place.holds_last)
+
+
+def tensor_rank_parameters(
+    config: TNLGConfig,
+    tensor_parallel: int = 1,
+    *,
+    pipeline_parallel: int = 1,
+    virtual_stages: int = 1,
+    pipeline_rank: int = 0,
+) -> int:
+    """Parameters one rank holds: a tensor rank's slices of pipeline rank `pipeline_rank`'s stages (all
+    of them with t = p = 1); the tied embedding counts on both the first and the last stage."""
+    place = pipeline_place(config.num_hidden_layers, pipeline_parallel, virtual_stages, pipeline_rank)
+    return sum(_rank_tensor_sizes(config, tensor_parallel, place))
 
 
 def _check_tensor_parallel(config: TNLGConfig, degree: Any, world_size: Any) -> int:
@@ -333,12 +487,12 @@ def smallest_world_size(
     Powers of two because that is how data-parallel jobs are sized (nodes of 8 devices); since every
     term is non-increasing in the world size, the first one that fits is the answer. None if even
     `max_world_size` does not fit (activations do not shrink with more ranks, nor anything in stage 0).
-    `options` are `estimate_memory`'s other keyword arguments; with `tensor_parallel` t the sizes are t
-    times the powers of two (t ranks per data replica).
+    `options` are `estimate_memory`'s other keyword arguments; with `tensor_parallel` t and
+    `pipeline_parallel` p the sizes are t x p times the powers of two (t x p ranks per data replica).
     """
     _check_positive_int("device_memory_bytes", device_memory_bytes)
     _check_positive_int("max_world_size", max_world_size)
-    world_size = options.get("tensor_parallel", 1)
+    world_size = options.get("tensor_parallel", 1) * options.get("pipeline_parallel", 1)
     while world_size <= max_world_size:
         estimate = estimate_memory(config, world_size=world_size, stage=stage, **options)
         if estimate.device_bytes <= device_memory_bytes:
@@ -369,17 +523,21 @@ def format_table(rows: Sequence[MemoryEstimate]) -> str:
         ]
         return "+".join(cpu) or "-"
 
-    cells = [_COLUMNS] + [
+    # With pipeline stages, which pipeline rank each row is of (the estimate's worst by default).
+    piped = any(row.pipeline_parallel > 1 for row in rows)
+    columns = (*_COLUMNS[:3], "pipe rank", *_COLUMNS[3:]) if piped else _COLUMNS
+    cells = [columns] + [
         (
             str(row.stage),
             str(row.world_size),
             offload(row),
+            *((f"{row.pipeline_rank}/{row.pipeline_parallel}",) if piped else ()),
             *(gb(x) for x in (row.params, row.grads, row.master, row.optimizer_state, row.gathered)),
             *(gb(x) for x in (row.activations, row.device_bytes, row.cpu_bytes)),
         )
         for row in rows
     ]
-    widths = [max(len(line[k]) for line in cells) for k in range(len(_COLUMNS))]
+    widths = [max(len(line[k]) for line in cells) for k in range(len(columns))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)) for line in cells]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)

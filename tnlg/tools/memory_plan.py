@@ -22,25 +22,31 @@ is never run).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from tnlg.modeling.pipeline import rank_stages, split_pipeline
 from tnlg.modeling.tensor_parallel import plan_slices
 from tnlg.sharding.config import ZeroConfig
 from tnlg.sharding.engine import COMPUTE_DTYPES, layout_alignment
 from tnlg.sharding.grads import BUCKETS_IN_FLIGHT
+from tnlg.sharding.parallel import ParallelDims
 from tnlg.sharding.params import blocks_to_prefetch, prefetch_floor
 from tnlg.sharding.partition import FlatLayout
+from tnlg.sharding.pipeline import keep_stage_parameters
 from tnlg.sharding.plan import ShardingPlan, plan_sharding
 from tnlg.tools.memory import FP32_BYTES, GB, OPTIMIZER_STATE_BYTES
 
 
 @dataclass(frozen=True)
 class RankMemoryPlan:
-    """Bytes one rank of `world_size` holds, by kind, from the engine's layout (see the module doc).
+    """Bytes one rank of `world_size` holds, by kind, from the engine's layout (see the module doc);
+    with pipeline stages, a rank of pipeline rank `pipeline_rank` of `pipeline_parallel`.
 
     Model states (kept all step), as `ZeroEngine.memory_stats` counts them: `params` (16-bit; stage 3:
     the shard plus the persistent units), `grads`, `master`, `optimizer_state`, `offload_copy` (the
@@ -65,6 +71,8 @@ class RankMemoryPlan:
     largest_unit: int  # elements: the biggest collective
     prefetch_floor: int  # stage 3: the max_live_parameters that lets every block be prefetched (0 otherwise)
     prefetches: bool  # stage 3: whether any block is prefetched at these settings
+    pipeline_parallel: int = 1
+    pipeline_rank: int = 0  # the pipeline rank planned (plan_rank_memory's default: the worst)
 
     @property
     def device(self) -> int:
@@ -79,20 +87,30 @@ def plan_rank_memory(
     *,
     world_size: int,
     optimizer_kind: str = "adamw",
-    activations: int = 0,
-    offloaded_activations: int = 0,
+    activations: int | Sequence[int] = 0,
+    offloaded_activations: int | Sequence[int] = 0,
     device_type: str = "cuda",
     tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    virtual_stages: int = 1,
+    pipeline_rank: int | None = None,
 ) -> RankMemoryPlan:
     """The plan for `model` (on the meta device) trained with `optimizer` over it at `zero`'s settings.
 
     `activations` / `offloaded_activations`: bytes of activations on the device / in host memory
-    (`memory.activation_bytes`); `device_type`: where the ranks compute ("cuda" aligns each rank's piece
-    of a unit to 256 bytes, as the engine does there). Raises ValueError as the engine's planner does
-    for a bad model or optimizer, or for a bad world size or optimizer kind.
+    (`memory.activation_bytes`), one figure, or one per pipeline rank; `device_type`: where the ranks
+    compute ("cuda" aligns each rank's piece of a unit to 256 bytes, as the engine does there). Raises
+    ValueError as the engine's planner does for a bad model or optimizer, or for a bad layout, world
+    size or optimizer kind.
 
     `tensor_parallel` t: the plan is of tensor rank 0's slices (the model's own plan cuts the meta
-    parameters for the time of the call, `plan_slices`), sharded over the world_size / t data ranks.
+    parameters for the time of the call, `plan_slices`), sharded over the world_size / (t x p) data ranks.
+
+    `pipeline_parallel` p (with `virtual_stages`): a copy of the model is cut down to a pipeline rank's
+    stages first, as the engine does (`split_pipeline`, then the tensor slices, then the layout, the
+    tied embedding a unit of its own on the first and last stage). `pipeline_rank` picks the rank;
+    None plans every one and returns the one needing the most device memory (`pipeline_rank` says
+    which; the first on a tie). `model` and `optimizer` are left whole.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -100,32 +118,95 @@ def plan_rank_memory(
         raise ValueError(
             f"tensor_parallel must be an integer >= 1 dividing world_size, got {tensor_parallel!r}"
         )
-    if tensor_parallel == 1:
-        return _plan(
-            model,
-            optimizer,
-            zero,
-            world_size,
-            optimizer_kind,
-            activations,
-            offloaded_activations,
-            device_type,
+    dims = ParallelDims(tensor=tensor_parallel, pipeline=pipeline_parallel, virtual_stages=virtual_stages)
+    dims = dims.resolve(world_size)  # the engine's checks and messages for the layout
+    activations = _per_pipeline_rank("activations", activations, dims.pipeline)
+    offloaded_activations = _per_pipeline_rank("offloaded_activations", offloaded_activations, dims.pipeline)
+    if dims.pipeline == 1:
+        ranks = [0]
+    elif pipeline_rank is None:
+        ranks = list(range(dims.pipeline))
+    elif isinstance(pipeline_rank, int) and 0 <= pipeline_rank < dims.pipeline:
+        ranks = [pipeline_rank]
+    else:
+        raise ValueError(
+            f"pipeline_rank must be None or an integer in [0, {dims.pipeline - 1}], got {pipeline_rank!r}"
         )
+    plans = []
+    for rank in ranks:
+        stage_model, stage_optimizer, own_units = _pipeline_rank_model(model, optimizer, dims, rank)
+        plan = _sliced_plan(
+            stage_model,
+            stage_optimizer,
+            zero,
+            dims,
+            optimizer_kind,
+            activations[rank],
+            offloaded_activations[rank],
+            device_type,
+            own_units,
+        )
+        plans.append(dataclasses.replace(plan, pipeline_parallel=dims.pipeline, pipeline_rank=rank))
+    worst = max(plans, key=lambda plan: plan.device)  # max keeps the first on a tie
+    return dataclasses.replace(worst, world_size=world_size)
+
+
+def _per_pipeline_rank(name: str, value: int | Sequence[int], degree: int) -> list[int]:
+    """`value` for each of the `degree` pipeline ranks: one figure for all, or one each."""
+    figures = list(value) if isinstance(value, Sequence) else [value] * degree
+    if len(figures) != degree or not all(isinstance(f, int) and f >= 0 for f in figures):
+        raise ValueError(
+            f"{name} must be bytes (an integer >= 0), or one such per pipeline rank ({degree}), got {value!r}"
+        )
+    return figures
+
+
+def _pipeline_rank_model(
+    model: nn.Module, optimizer: torch.optim.Optimizer, dims: ParallelDims, rank: int
+) -> tuple[nn.Module, torch.optim.Optimizer, set[str]]:
+    """The model and optimizer pipeline rank `rank` trains, and the parameters that get a unit of their
+    own: as the engine's `apply_model_plan`, `keep_stage_parameters` and `shared_parameter_groups` make
+    them, on a copy (the meta model has no storage to copy)."""
+    if dims.pipeline == 1:
+        return model, optimizer, set()
+    model, optimizer = copy.deepcopy((model, optimizer))  # one memo: the optimizer keeps the copy's params
+    split = split_pipeline(model, rank_stages(rank, dims.pipeline, dims.virtual_stages), dims.num_stages)
+    keep_stage_parameters(optimizer, model)
+    held = set(split.stage_indices)
+    own_units = {
+        name
+        for name, stages in split.shared.items()
+        if held & set(stages) and len({stage % dims.pipeline for stage in stages}) > 1
+    }
+    return model, optimizer, own_units
+
+
+def _sliced_plan(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    zero: ZeroConfig,
+    dims: ParallelDims,
+    optimizer_kind: str,
+    activations: int,
+    offloaded_activations: int,
+    device_type: str,
+    own_units: set[str],
+) -> RankMemoryPlan:
+    """`_plan` of tensor rank 0's slices of `model` over the data ranks; the model is whole again after."""
+    plan_args = (zero, dims.data, optimizer_kind, activations, offloaded_activations, device_type, own_units)
+    if dims.tensor == 1:
+        return _plan(model, optimizer, *plan_args)
     parameters = dict(model.named_parameters())
-    cuts = plan_slices(model, tensor_parallel)
+    cuts = plan_slices(model, dims.tensor)
     whole = {name: parameters[name].data for name in cuts}
     try:
         with torch.no_grad():
             for name, cut in cuts.items():
                 parameters[name].data = cut.local(whole[name])
-        plan = _plan(
-            model, optimizer, zero, world_size // tensor_parallel, optimizer_kind, activations,
-            offloaded_activations, device_type,
-        )  # fmt: skip
+        return _plan(model, optimizer, *plan_args)
     finally:
         for name, value in whole.items():
             parameters[name].data = value
-    return dataclasses.replace(plan, world_size=world_size)
 
 
 def _plan(
@@ -137,13 +218,14 @@ def _plan(
     activations: int,
     offloaded_activations: int,
     device_type: str,
+    own_units: set[str],
 ) -> RankMemoryPlan:
     """`plan_rank_memory` of the model as it is (its own slices), sharded over `world_size` ranks."""
     if optimizer_kind not in OPTIMIZER_STATE_BYTES:
         raise ValueError(
             f"optimizer_kind must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer_kind!r}"
         )
-    plan = plan_sharding(model, optimizer, zero)
+    plan = plan_sharding(model, optimizer, zero, own_units=own_units)
     dtype = COMPUTE_DTYPES[zero.mixed_precision]
     compute = torch.tensor([], dtype=dtype).element_size()
     alignment = layout_alignment(torch.device(device_type), dtype)
@@ -265,8 +347,9 @@ def _peak_buckets(unit_numels: list[int], zero: ZeroConfig) -> int:
 
 def format_plans(plans: list[RankMemoryPlan], device_memory: int | None = None) -> str:
     """A plain-text table of plans, one per line, sizes in decimal GB (10^9 bytes)."""
-    columns = ("ranks", "params", "grads", "master", "optim", "gathered", "full grads", "buckets", "activ.")
-    columns += ("device", "host", "prefetch")
+    piped = any(plan.pipeline_parallel > 1 for plan in plans)  # then say which pipeline rank each is
+    columns = ("ranks", *(("pipe rank",) if piped else ()), "params", "grads", "master", "optim")
+    columns += ("gathered", "full grads", "buckets", "activ.", "device", "host", "prefetch")
     if device_memory:
         columns += (f"fits {device_memory / GB:.0f} GB",)
     rows = [columns]
@@ -274,7 +357,9 @@ def format_plans(plans: list[RankMemoryPlan], device_memory: int | None = None) 
         states = (plan.params, plan.grads, plan.master, plan.optimizer_state)
         transients = (plan.gathered, plan.full_grads, plan.buckets, plan.activations)
         sizes = (*states, *transients, plan.device, plan.host)
-        row = (str(plan.world_size), *(f"{size / GB:.2f}" for size in sizes))
+        row = (str(plan.world_size),)
+        row += (f"{plan.pipeline_rank}/{plan.pipeline_parallel}",) if piped else ()
+        row += tuple(f"{size / GB:.2f}" for size in sizes)
         row += ("yes" if plan.prefetches else ("no" if plan.stage == 3 else "-"),)
         if device_memory:
             row += ("yes" if plan.device <= device_memory else "NO",)
