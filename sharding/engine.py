@@ -581,11 +581,6 @@ class ZeroEngine(nn.Module):
             id(parameters[name]): cut.full_shape(parameters[name].shape)
             for name, cut in self.tensor_slices.items()
         }
-        if cuts and source is not None:
-            raise ValueError(
-                f"pretrained={source.path} with tensor slicing: reading each rank's slices of a checkpoint is not "
-                "supported yet; load the model with its weights (from_pretrained) before initialize"
-            )
 
         def keep(param: nn.Parameter, value: torch.Tensor) -> None:
             if id(param) in cuts:
@@ -599,10 +594,12 @@ class ZeroEngine(nn.Module):
         if source is None:
             materialize(self.module, seed, device, keep, whole_shapes=whole_shapes)
         else:
-            loaded = load_pretrained(self, source, device)
+            loaded = load_pretrained(self, source, device, self.tensor_slices)
             self.pretrained_bytes_read = loaded.bytes_read
             if loaded.uninitialized:
-                materialize(self.module, seed, device, keep, only=loaded.uninitialized)
+                materialize(
+                    self.module, seed, device, keep, only=loaded.uninitialized, whole_shapes=whole_shapes
+                )
         for group in self.groups:
             group.finish()
 

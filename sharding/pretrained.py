@@ -36,10 +36,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -55,6 +55,9 @@ from tnlg.modeling.loading import (
 
 from .checkpoint import CheckpointError, read_on_every_rank
 from .engine_state import ShardedModel
+
+if TYPE_CHECKING:
+    from tnlg.modeling.tensor_parallel import TensorSlice
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +191,31 @@ class SafetensorsCheckpoint:
         self.bytes_read += rows.numel() * rows.element_size()
         return rows.reshape(-1)[start - first * row : end - first * row]
 
+    def read_slice_flat(
+        self, name: str, cut: TensorSlice, local_shape: tuple[int, ...], start: int, end: int
+    ):
+        """Elements [start, end) of this tensor rank's slice `cut` (of shape `local_shape`) of the saved
+        whole tensor, flattened, reading only the rows that cover them (and, for a cut across columns,
+        only this rank's columns of those rows)."""
+        row = math.prod(local_shape[1:])
+        first, last = start // row, -(-end // row)
+        view = self._reader(name).get_slice(name)
+        if cut.dim == 1:  # row-parallel: the same rows, this rank's run of columns
+            columns = local_shape[1]
+            rows = view[first:last, cut.rank * columns : (cut.rank + 1) * columns]
+        else:  # this rank's rows of each of the `parts` blocks ([q; k; v]), each block cut alike
+            per_part = local_shape[0] // cut.parts
+            pieces, index = [], first
+            while index < last:
+                part, within = divmod(index, per_part)
+                stop = min(last, (part + 1) * per_part)
+                saved = part * per_part * cut.degree + cut.rank * per_part + within
+                pieces.append(view[saved : saved + stop - index])
+                index = stop
+            rows = torch.cat(pieces)
+        self.bytes_read += rows.numel() * rows.element_size()
+        return rows.reshape(-1)[start - first * row : end - first * row]
+
 
 @contextlib.contextmanager
 def _named_file_errors() -> Iterator[None]:
@@ -228,9 +256,10 @@ def _candidates(name: str, prefix: str) -> list[str]:
     return [name, f"{prefix}.{name}"]  # a checkpoint with a head loaded into the base model
 
 
-def _match(module: nn.Module, checkpoint: SafetensorsCheckpoint) -> _Match:
+def _match(module: nn.Module, checkpoint: SafetensorsCheckpoint, slices: Mapping[str, TensorSlice]) -> _Match:
     prefix = getattr(module, "base_model_prefix", "") or ""
     available = set(checkpoint.shapes)
+    parameter_names = {id(p): name for name, p in module.named_parameters()}
     names: dict[int, list[str]] = {}
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
@@ -243,6 +272,9 @@ def _match(module: nn.Module, checkpoint: SafetensorsCheckpoint) -> _Match:
         found = list(dict.fromkeys(k for a in aliases for k in _candidates(a, prefix) if k in available))
         used.update(found)
         shape = tuple(tensors[first].shape)
+        cut = slices.get(parameter_names.get(id(tensors[first]), ""))
+        if cut is not None:  # saved whole: compare with the whole shape this rank holds a slice of
+            shape = tuple(cut.full_shape(shape))
         bad = [k for k in found if checkpoint.shapes[k] != shape]
         mis_shaped += [f"{k}: saved {list(checkpoint.shapes[k])}, model {list(shape)}" for k in bad]
         if not found:
@@ -269,8 +301,15 @@ class PretrainedLoad:
     bytes_read: int  # by this rank
 
 
-def load_pretrained(engine: ShardedModel, source: PretrainedSource, device: torch.device) -> PretrainedLoad:
+def load_pretrained(
+    engine: ShardedModel,
+    source: PretrainedSource,
+    device: torch.device,
+    slices: Mapping[str, TensorSlice] | None = None,
+) -> PretrainedLoad:
     """Fill a meta model's engine buffers from a safetensors checkpoint (see [Note: pretrained shards]).
+    Under tensor slicing `slices` ({parameter name: TensorSlice}) says which slice of each saved whole
+    tensor this rank holds: it reads the part of its slice it owns.
 
     Called by the engine after its groups are allocated and before `finish`; the parameters it
     reports uninitialized are the engine's to initialise. Collective only at the end, where the
@@ -282,7 +321,7 @@ def load_pretrained(engine: ShardedModel, source: PretrainedSource, device: torc
         share = (collectives.rank, collectives.world_size)
         checkpoint = SafetensorsCheckpoint(source.path, verify=source.verify_checksums, share=share)
         try:
-            return checkpoint, _read_into(engine, checkpoint, source, device)
+            return checkpoint, _read_into(engine, checkpoint, source, device, slices or {})
         finally:
             checkpoint.close()
 
@@ -297,10 +336,14 @@ def load_pretrained(engine: ShardedModel, source: PretrainedSource, device: torc
 
 
 def _read_into(
-    engine: ShardedModel, checkpoint: SafetensorsCheckpoint, source: PretrainedSource, device: torch.device
+    engine: ShardedModel,
+    checkpoint: SafetensorsCheckpoint,
+    source: PretrainedSource,
+    device: torch.device,
+    slices: Mapping[str, TensorSlice],
 ) -> dict[int, str]:
     """Read every matched tensor this rank needs; returns the parameters left to initialise (id -> name)."""
-    match = _match(engine.module, checkpoint)
+    match = _match(engine.module, checkpoint, slices)
     problems = match.problems(source.strict)
     if problems:
         raise CheckpointError(
@@ -326,29 +369,22 @@ def _read_into(
         key, *others = match.keys[name]
         _check_floating(checkpoint, key, tensor)
         if id(tensor) not in slots:  # a frozen parameter or a buffer: every rank keeps it whole
-            value = checkpoint.read(key).to(device=device, dtype=tensor.dtype)
-            _check_aliases_agree(checkpoint, name, key, others, value.reshape(-1), 0, value.numel())
-            if isinstance(tensor, nn.Parameter):
-                torch.utils.swap_tensors(tensor, nn.Parameter(value, requires_grad=tensor.requires_grad))
-            elif tensor.is_meta:
-                raise CheckpointError(f"{name} is a meta-device buffer: sharded loading cannot place it")
-            else:
-                with torch.no_grad():
-                    tensor.copy_(value)
+            _load_whole(checkpoint, name, key, others, tensor, device, slices.get(name))
             continue
         group, index = slots[id(tensor)]
+        read = _flat_reader(checkpoint, slices.get(name), tuple(tensor.shape))
+        start, end = 0, tensor.numel()  # kept whole: all of it (of this rank's slice)
+        if not group.keeps_full(index):
+            owned = group.layout.owned_range(group.layout.slots[index], group.shard_rank)
+            if owned is None:
+                continue
+            start, end, _ = owned
+        part = read(key, start, end)
+        _check_aliases_agree(checkpoint, read, name, key, others, part, start)
         if group.keeps_full(index):
-            value = checkpoint.read(key)
-            _check_aliases_agree(checkpoint, name, key, others, value.reshape(-1), 0, value.numel())
-            group.load_slot(index, value.to(device))
-            continue
-        owned = group.layout.owned_range(group.layout.slots[index], group.shard_rank)
-        if owned is None:
-            continue
-        start, end, _ = owned
-        part = checkpoint.read_flat(key, start, end)
-        _check_aliases_agree(checkpoint, name, key, others, part, start, end)
-        group.load_owned(index, part.to(device))
+            group.load_slot(index, part.reshape(tensor.shape).to(device))
+        else:
+            group.load_owned(index, part.to(device))
     meta_buffers = [n for n, t in match.tensors.items() if t.is_meta and not isinstance(t, nn.Parameter)]
     if meta_buffers:
         raise CheckpointError(f"meta-device buffers are not in the checkpoint: {_listed(meta_buffers)}")
@@ -362,19 +398,52 @@ def _check_floating(checkpoint: SafetensorsCheckpoint, key: str, tensor: torch.T
         )
 
 
-def _check_aliases_agree(
+def _load_whole(
     checkpoint: SafetensorsCheckpoint,
     name: str,
     key: str,
     others: list[str],
+    tensor: torch.Tensor,
+    device: torch.device,
+    cut: TensorSlice | None,
+) -> None:
+    """A frozen parameter or a buffer, which the engine does not shard: read whole into place (this
+    rank's slice of it, if tensor slicing cut it)."""
+    value = checkpoint.read(key).to(device=device, dtype=tensor.dtype)
+    _check_aliases_agree(checkpoint, checkpoint.read_flat, name, key, others, value.reshape(-1))
+    if cut is not None:
+        value = cut.local(value)
+    if isinstance(tensor, nn.Parameter):
+        torch.utils.swap_tensors(tensor, nn.Parameter(value, requires_grad=tensor.requires_grad))
+    elif tensor.is_meta:
+        raise CheckpointError(f"{name} is a meta-device buffer: sharded loading cannot place it")
+    else:
+        with torch.no_grad():
+            tensor.copy_(value)
+
+
+def _flat_reader(checkpoint: SafetensorsCheckpoint, cut: TensorSlice | None, local_shape: tuple[int, ...]):
+    """read(key, start, end): elements [start, end) of the flattened tensor this rank holds of `key`:
+    the saved tensor itself, or its slice `cut` under tensor slicing."""
+    if cut is None:
+        return checkpoint.read_flat
+    return lambda key, start, end: checkpoint.read_slice_flat(key, cut, local_shape, start, end)
+
+
+def _check_aliases_agree(
+    checkpoint: SafetensorsCheckpoint,
+    read,
+    name: str,
+    key: str,
+    others: list[str],
     part: torch.Tensor,
-    start: int,
-    end: int,
+    start: int = 0,
 ) -> None:
     """A tied tensor saved under two names must hold the same values (else the checkpoint came
-    from an untied model, and tying would silently change it). Each rank compares its own part."""
+    from an untied model, and tying would silently change it). Each rank compares its own part,
+    elements [start, start + len(part)) as `read` reads them."""
     for other in others:
-        if not torch.equal(checkpoint.read_flat(other, start, end).to(part.dtype), part.cpu()):
+        if not torch.equal(read(other, start, start + part.numel()).to(part.dtype), part.cpu()):
             raise CheckpointError(
                 f"{checkpoint.path}: {other} differs from {key}, but the model ties {name} to both; load it "
                 "into a model with tie_word_embeddings=False"

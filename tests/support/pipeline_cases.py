@@ -154,19 +154,15 @@ def pipeline_traffic(rank: int, world_size: int, stage: int) -> dict:
     return result
 
 
-def pretrained_stages(rank: int, world_size: int, path: str, stage: int) -> dict:
-    """A meta model of the checkpoint at `path`, cut into 2 stages: each rank reads its stage's tensors
-    (bytes read reported) and the consolidated state comes back whole."""
+def pretrained_layout(rank: int, world_size: int, path: str, stage: int, tensor: int, pipeline: int) -> dict:
+    """A meta model of the checkpoint at `path`, cut `tensor` ways and into `pipeline` stages: each rank
+    reads only its part of its stage's slices (bytes read reported); the consolidated state comes back."""
     from tnlg.modeling import TNLGForCausalLM
     from tnlg.sharding import meta_from_pretrained
 
     model = meta_from_pretrained(TNLGForCausalLM, path)
-    engine = initialize(
-        model,
-        tnlg_optimizer(model),
-        ZeroConfig(stage=stage, **SMALL_UNITS),
-        parallel=ParallelDims(pipeline=2),
-    )
+    dims = ParallelDims(tensor=tensor, pipeline=pipeline)
+    engine = initialize(model, tnlg_optimizer(model), ZeroConfig(stage=stage, **SMALL_UNITS), parallel=dims)
     state = engine.full_state_dict()
     read = engine.pretrained_bytes_read
     engine.close()
