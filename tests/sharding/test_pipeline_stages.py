@@ -13,6 +13,7 @@ from tests.support.pipeline_cases import (
     pipeline_refusals,
     pipeline_traffic,
     pretrained_layout,
+    train_mixed_precision,
 )
 from tests.support.tensor_parallel_cases import make_config, make_model
 from tnlg.sharding import ParallelDims
@@ -141,3 +142,14 @@ def test_each_rank_reads_only_its_part_of_a_pretrained_checkpoint(tmp_path, stag
     assert all(r["bytes_read"] < 1.5 * share * saved for r in results), [
         r["bytes_read"] / saved for r in results
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("precision", "stage"), [("fp16", 1), ("bf16", 3)])
+def test_16_bit_stages_train_like_fp32(reference_2_layers, precision, stage):
+    # fp16: the loss function scales every micro-batch's backward by the loss scale (2^16) and the step
+    # unscales: the norm (of unscaled gradients) would be 65536 times too large with the scale left in.
+    run = run_distributed(train_mixed_precision, 4, precision, stage, timeout=600)[0]
+    assert run["losses"] == pytest.approx(reference_2_layers["losses"], abs=2e-3)
+    assert run["norms"] == pytest.approx(reference_2_layers["norms"], rel=2e-2)
+    assert run["loss_scale"] == (65536.0 if precision == "fp16" else 1.0)

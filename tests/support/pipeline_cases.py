@@ -167,3 +167,21 @@ def pretrained_layout(rank: int, world_size: int, path: str, stage: int, tensor:
     read = engine.pretrained_bytes_read
     engine.close()
     return {"state": state, "bytes_read": read}
+
+
+def train_mixed_precision(rank: int, world_size: int, precision: str, stage: int) -> dict:
+    """Pipeline 2 x data 2 in 16-bit: the losses train_batch returns, the gradient norms, the final loss scale."""
+    model = make_tnlg()
+    engine = initialize(
+        model,
+        tnlg_optimizer(model),
+        ZeroConfig(stage=stage, mixed_precision=precision, **SMALL_UNITS),
+        parallel=ParallelDims(pipeline=2),
+    )
+    losses, norms = [], []
+    for ids, labels in tnlg_batches():
+        losses.append(engine.train_batch(data_share(engine, ids, labels)).item())
+        norms.append(engine.get_global_grad_norm())
+    result = {"losses": losses, "norms": norms, "loss_scale": engine.loss_scale}
+    engine.close()
+    return result
