@@ -1,4 +1,4 @@
-"""Sharded engine checkpoints that load at any world size, stage and tensor-slicing degree.
+"""Sharded engine checkpoints that load at any world size, stage, tensor-slicing degree and pipeline layout.
 
 Every writer puts an engine checkpoint in a directory named `engine` (`ENGINE_DIRECTORY`) inside its
 own checkpoint directory (a run's `step-N/`, `ZeroAccelerator.save_state`'s directory, a ZeroTrainer
@@ -21,31 +21,50 @@ stage T directly, optimizer state included. Parameters are matched by name, so t
 and bucket sizes may differ too; missing, unexpected or re-shaped parameters are errors that name them.
 
 [Note: sliced checkpoints]
-With tensor slicing (and, when built, pipeline stages) every tensor rank holds different slices under
-the same parameter names, so each tensor rank's data group writes a complete checkpoint of its LOCAL
+With tensor slicing every tensor rank holds different slices under the same parameter names, so each tensor rank's data group writes a complete checkpoint of its LOCAL
 slices, in the layout above, into a sub-checkpoint of its own, and global rank 0 writes the top
 manifest last (the commit point: it is removed when a save begins, so a crash leaves none):
 
     DIR/manifest.json          by global rank 0, last: world_size (global), stage, step, loss scaler,
-                               param_groups as above; "layout" {"tensor": T, "pipeline": 1, "data": D};
-                               "parts" [{"directory", "tensor_rank", "pipeline_stage", "sha256" of its
-                               manifest}], one per tensor rank; "slices" {name: {"dim", "parts" (3 for a
-                               fused [q; k; v]), "shape" (the full shape)}} for every sliced parameter;
-                               "unmanaged" (rank 0's frozen parameters and buffers)
+                               param_groups as above; "layout" {"tensor": T, "pipeline": P, "data": D};
+                               "parts" [{"directory", "pipeline_stage", "tensor_rank", "stages",
+                               "sha256" of its manifest}], one per (pipeline rank, tensor rank);
+                               "slices" {name: {"dim", "parts" (3 for a fused [q; k; v]), "shape" (the
+                               full shape)}} for every sliced parameter; "unmanaged" (every part's frozen
+                               parameters and buffers)
     DIR/config.json            the model's config (for consolidation)
     DIR/tensor-00/             tensor rank 0's sub-checkpoint: manifest.json (world_size = D) and
                                rank-0000d.safetensors, exactly the format of whole parameters
-    DIR/tensor-01/ ...         (a pipeline stage p > 0 would be `pipeline-0p-tensor-0r/`; the
-                               manifest names each part's directory and coordinates, readers follow it)
+    DIR/tensor-01/ ...         (with pipeline stages: `pipeline-0p-tensor-0t/`, see below; readers
+                               follow the directory the manifest names for each part)
 
 A checkpoint without slicing keeps the format of whole parameters (no "parts"), and is read as one part
 of tensor degree 1. Loading at any layout (`SavedCheckpoint.read`): each flat range of a parameter a
 rank owns in its own slice maps to runs of the full tensor, then to (saved tensor rank, position in
 its slice) (see [Note: slice runs] in slice_runs.py), then to that part's data-rank segments as
 above: every rank reads only (about) what it holds. Replicated parameters come from tensor rank 0's
-part; Adam's moments follow the master, its step comes from part 0. Every manifest is read and
+part; Adam's moments follow the master, its step comes from the part holding the param group's first
+parameter. Every manifest is read and
 checked (each part's sha256, its parameters' local shapes against the full shapes and slices) on
 every rank before anything is restored, and the ranks of the whole world agree on any error.
+
+[Note: pipeline checkpoints]
+Under pipeline stages each pipeline rank holds its stages' parameters under the whole model's names
+(see [Note: pipeline split] in tnlg/modeling/pipeline.py), so a part is one (pipeline rank, tensor
+rank)'s data group's sub-checkpoint of what it holds, in `pipeline-0p-tensor-0t/` ("pipeline_stage" is
+the pipeline rank, "stages" the model's stages it holds: several with interleaved schedules); the top
+manifest is the one above with "layout" {"tensor": T, "pipeline": P, "data": D} and P x T parts. A
+parameter several stages hold (the tied `model.embed_tokens.weight`, the first and the last stage's,
+equal on both) is saved once, by the first stage holding it: the others leave its flat unit (a unit of
+its own, `plan_sharding(own_units=)`) out of their rank files and manifests, closing up the other units'
+shard offsets. A reader therefore finds each parameter, for each saved tensor rank, in exactly one part
+(`SavedCheckpoint.holder`), whatever stage held it; a loading rank reads only the parameters its own
+stages hold, by name, from wherever they were saved, and loads the tied embedding on every stage that
+holds it. Layers move between stages when the layout changes, and a checkpoint saved with stages loads
+without them (and the other way) with no conversion. The check of names runs against the whole model:
+a saved parameter no live stage holds is "unexpected" (the stages' names are gathered first), one this
+rank holds but no part saved is "missing". Without stages the format is unchanged (`tensor-0t/`, or no
+parts at all without slicing).
 
 The reading half (manifests and their checks, `ShardReader`, `SavedCheckpoint`) is checkpoint_files.py;
 its names are re-exported here. The engine is reached through `EngineState` (engine_state.py): this module does not import the engine,
@@ -83,6 +102,7 @@ from .checkpoint_files import (
 from .collectives import Collectives
 from .engine_state import EngineState
 from .json_files import write_json_atomic
+from .partition import Unit
 from .slice_runs import Cut
 
 __all__ = [  # the checkpoint names callers import from here, wherever they are defined
@@ -128,20 +148,32 @@ def engine_directory(checkpoint: str | Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- saving
-def group_manifest(engine: EngineState) -> list[dict[str, Any]]:
+def group_manifest(engine: EngineState, skip: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """Each param group's flat layout as saved: without the units of the parameters in `skip`, the
+    others' shard offsets closed up to match `_kept_pieces`."""
     groups = []
     for group in engine.groups:
         layout = group.layout
+        kept = _saved_units(layout, skip)
+        units = layout.units if kept is None else kept
+        number = {unit.index: position for position, unit in enumerate(units)}
+        offsets = [sum(u.piece for u in units[:position]) for position in range(len(units))]
         groups.append(
             {
                 "num_shards": layout.num_shards,
-                "shard_numel": layout.shard_numel,
+                "shard_numel": layout.shard_numel if kept is None else sum(u.piece for u in units),
                 "params": [
-                    {"name": s.name, "shape": list(s.shape), "unit": s.unit, "offset": s.offset}
+                    {"name": s.name, "shape": list(s.shape), "unit": number[s.unit], "offset": s.offset}
                     for s in layout.slots
+                    if s.unit in number
                 ],
                 "units": [
-                    {"numel": u.numel, "piece": u.piece, "shard_offset": u.shard_offset} for u in layout.units
+                    {
+                        "numel": u.numel,
+                        "piece": u.piece,
+                        "shard_offset": u.shard_offset if kept is None else offsets[position],
+                    }
+                    for position, u in enumerate(units)
                 ],
             }
         )
@@ -160,42 +192,56 @@ def _unmanaged_state(engine: EngineState) -> dict[str, torch.Tensor]:
 
 @dataclass(frozen=True)
 class TensorLayout:
-    """How a saving or loading engine is cut by tensor slicing (see [Note: sliced checkpoints]): its
-    tensor degree and rank, the cut of every sliced parameter by name, and the collectives of the
-    whole world (the engine's own are its data group's)."""
+    """How a saving or loading engine is cut by tensor slicing and pipeline stages (see [Note: sliced
+    checkpoints] and [Note: pipeline checkpoints]): its tensor degree and rank, the cut of every sliced
+    parameter by name, its pipeline rank, degree and stages, the parameters it holds but another
+    pipeline rank saves (the tied embedding on the last stage), and the collectives of the whole world
+    (the engine's own are its data group's)."""
 
     degree: int
     rank: int
     cuts: dict[str, Cut]
     world: Collectives
-    pipeline_stage: int = 0
+    pipeline_stage: int = 0  # the pipeline rank: its coordinate in the mesh
+    pipeline_degree: int = 1
+    stages: tuple[int, ...] = (0,)  # the model's stages it holds (several with interleaved schedules)
+    saved_elsewhere: frozenset[str] = frozenset()
 
     @property
     def part(self) -> str:
-        """This rank's sub-checkpoint directory (pipeline stages, when built, add their coordinate)."""
-        return (
-            f"tensor-{self.rank:02d}"
-            if self.pipeline_stage == 0
-            else (f"pipeline-{self.pipeline_stage:02d}-tensor-{self.rank:02d}")
-        )
+        """This rank's sub-checkpoint directory: `tensor-0t`, or `pipeline-0p-tensor-0t` with stages."""
+        if self.pipeline_degree == 1:
+            return f"tensor-{self.rank:02d}"
+        return f"pipeline-{self.pipeline_stage:02d}-tensor-{self.rank:02d}"
 
 
-def tensor_layout(parallel: Any, tensor_slices: dict[str, Any]) -> TensorLayout | None:
-    """The engine's `TensorLayout` from its `ParallelGroups` and {name: TensorSlice}; None without slicing."""
-    if parallel is None or not tensor_slices:
+def tensor_layout(parallel: Any, tensor_slices: dict[str, Any], pipeline: Any = None) -> TensorLayout | None:
+    """The engine's `TensorLayout` from its `ParallelGroups`, {name: TensorSlice} and `PipelineRunner`
+    (None without stages); None with neither slicing nor stages."""
+    if parallel is None or not (tensor_slices or pipeline is not None):
         return None
+    stages, saved_elsewhere = (0,), frozenset()
+    if pipeline is not None:
+        split = pipeline.split
+        stages = tuple(split.stage_indices)
+        # A parameter several stages hold is saved by the first of them (see [Note: pipeline checkpoints]).
+        saved_elsewhere = frozenset(name for name, held in split.shared.items() if min(held) not in stages)
     return TensorLayout(
         degree=parallel.dims.tensor,
         rank=parallel.rank("tensor"),
         cuts={name: Cut(s.dim, s.parts) for name, s in tensor_slices.items()},
         world=Collectives(),
-        pipeline_stage=parallel.rank("pipeline") if parallel.dims.pipeline > 1 else 0,
+        pipeline_stage=parallel.rank("pipeline"),
+        pipeline_degree=parallel.dims.pipeline,
+        stages=stages,
+        saved_elsewhere=saved_elsewhere,
     )
 
 
 def save_engine(engine: EngineState, directory: str | Path, tensor: TensorLayout | None = None) -> None:
     """Every rank writes its shard into `directory`; rank 0 writes the manifest last. Collective (over the
-    world with `tensor` slicing: each tensor rank's data group writes its sub-checkpoint)."""
+    world with `tensor` slicing or stages: each (pipeline rank, tensor rank)'s data group writes its
+    sub-checkpoint)."""
     directory = Path(directory)
     if tensor is None:
         _save_part(engine, directory, top=True)
@@ -206,40 +252,56 @@ def save_engine(engine: EngineState, directory: str | Path, tensor: TensorLayout
         # The manifest is the commit point: an older one must not vouch for files being rewritten.
         (directory / MANIFEST).unlink(missing_ok=True)
     _barrier(world)
-    sha256 = _save_part(engine, directory / tensor.part, top=False)
+    sha256 = _save_part(engine, directory / tensor.part, top=False, skip=tensor.saved_elsewhere)
     part = None
-    if sha256 is not None:
+    if sha256 is not None:  # data rank 0 of each part: what the top manifest records of it
         part = {
             "directory": tensor.part,
             "pipeline_stage": tensor.pipeline_stage,
             "tensor_rank": tensor.rank,
+            "stages": list(tensor.stages),
             "sha256": sha256,
+            "slices": _full_slice_shapes(engine, tensor),
+            "unmanaged": sorted(_unmanaged_state(engine)),
         }
     parts = world.all_gather_object(part)
     if world.rank == 0:
-        part_manifests = [p for p in parts if p is not None]  # one per sub-checkpoint: its data rank 0's
-        part_manifests.sort(key=lambda p: (p["pipeline_stage"], p["tensor_rank"]))
-        shapes = {}
-        for name, cut in tensor.cuts.items():
-            local = next(
-                (slot.shape for group in engine.groups for slot in group.layout.slots if slot.name == name),
-                None,
-            )
-            if local is None:  # a frozen sliced parameter: the module holds it
-                local = tuple(engine.module.get_parameter(name).shape)
-            full = list(local)
-            full[cut.dim] *= tensor.degree
-            shapes[name] = {"dim": cut.dim, "parts": cut.parts, "shape": full}
+        part_manifests = sorted(
+            (p for p in parts if p is not None), key=lambda p: (p["pipeline_stage"], p["tensor_rank"])
+        )
+        shapes: dict[str, Any] = {}
+        unmanaged: dict[str, None] = {}  # ordered: stage by stage
+        for entry in part_manifests:
+            shapes.update(entry.pop("slices"))
+            unmanaged.update(dict.fromkeys(entry.pop("unmanaged")))
         _write_model_config(engine, directory)
         manifest = {
             **_manifest_head(engine, world.world_size),
-            "layout": {"tensor": tensor.degree, "pipeline": 1, "data": engine.collectives.world_size},
+            "layout": {
+                "tensor": tensor.degree,
+                "pipeline": tensor.pipeline_degree,
+                "data": engine.collectives.world_size,
+            },
             "parts": part_manifests,
             "slices": shapes,
-            "unmanaged": sorted(_unmanaged_state(engine)),
+            "unmanaged": list(unmanaged),
         }
         write_json_atomic(directory / MANIFEST, manifest, indent=2, default=str)
     _barrier(world)
+
+
+def _full_slice_shapes(engine: EngineState, tensor: TensorLayout) -> dict[str, dict[str, Any]]:
+    """{name: {"dim", "parts", "shape" (the full shape)}} of every sliced parameter this rank holds."""
+    local_shapes = {slot.name: slot.shape for group in engine.groups for slot in group.layout.slots}
+    shapes = {}
+    for name, cut in tensor.cuts.items():
+        local = local_shapes.get(name)
+        if local is None:  # a frozen sliced parameter: the module holds it
+            local = tuple(engine.module.get_parameter(name).shape)
+        full = list(local)
+        full[cut.dim] *= tensor.degree
+        shapes[name] = {"dim": cut.dim, "parts": cut.parts, "shape": full}
+    return shapes
 
 
 def _manifest_head(engine: EngineState, world_size: int) -> dict[str, Any]:
@@ -263,10 +325,13 @@ def _write_model_config(engine: EngineState, directory: Path) -> None:
         (directory / "config.json").write_text(config.to_json_string())
 
 
-def _save_part(engine: EngineState, directory: Path, top: bool) -> str | None:
+def _save_part(
+    engine: EngineState, directory: Path, top: bool, skip: frozenset[str] = frozenset()
+) -> str | None:
     """The engine's data group writes a checkpoint of its shards in `directory`, its rank 0 the manifest
-    last; `top` False: a sub-checkpoint (no config.json). Returns, on data rank 0 of a sub-checkpoint,
-    its manifest's sha256 (which the top manifest records)."""
+    last; `top` False: a sub-checkpoint (no config.json); `skip`: parameters another part saves, left
+    out with their units (see [Note: pipeline checkpoints]). Returns, on data rank 0 of a
+    sub-checkpoint, its manifest's sha256 (which the top manifest records)."""
     collectives = engine.collectives
     rank = collectives.rank
     if rank == 0:
@@ -275,12 +340,13 @@ def _save_part(engine: EngineState, directory: Path, top: bool) -> str | None:
     tensors: dict[str, torch.Tensor] = {}
     optimizer = engine.base_optimizer
     for index, group in enumerate(engine.groups):
-        tensors[f"group{index}.master"] = group.master
+        kept = _saved_units(group.layout, skip)
+        tensors[f"group{index}.master"] = _kept_pieces(group.master, kept)
         for key, value in optimizer.state.get(group.master, {}).items():
             if isinstance(value, torch.Tensor) and value.dim() == 0:  # per-group scalars: Adam's step
                 tensors[f"group{index}.scalar.{key}"] = value.reshape(1)
             elif isinstance(value, torch.Tensor):  # per-element state, laid out like the master shard
-                tensors[f"group{index}.state.{key}"] = value
+                tensors[f"group{index}.state.{key}"] = _kept_pieces(value, kept)
     if rank == 0:
         for name, tensor in _unmanaged_state(engine).items():
             tensors[UNMANAGED_PREFIX + name] = tensor
@@ -296,7 +362,7 @@ def _save_part(engine: EngineState, directory: Path, top: bool) -> str | None:
         _write_model_config(engine, directory)
     manifest = {
         **_manifest_head(engine, collectives.world_size),
-        "groups": group_manifest(engine),
+        "groups": group_manifest(engine, skip),
         "unmanaged": sorted(_unmanaged_state(engine)),
         "files": {name: info for r in records for name, info in r.items()},
     }
@@ -306,21 +372,51 @@ def _save_part(engine: EngineState, directory: Path, top: bool) -> str | None:
     return None if top else sha256_of(directory / MANIFEST)
 
 
+def _saved_units(layout: Any, skip: frozenset[str]) -> list[Unit] | None:
+    """The units of `layout` a part saves: all (None) unless some hold parameters in `skip`, which the
+    layout gives units of their own (`plan_sharding(own_units=)`), so whole units are left out."""
+    if not skip or not any(slot.name in skip for slot in layout.slots):
+        return None
+    kept = []
+    for unit in layout.units:
+        names = {layout.slots[i].name for i in unit.slots}
+        if names & skip and names - skip:
+            raise ValueError(
+                f"{sorted(names & skip)} share a flat unit with {sorted(names - skip)}: a parameter another "
+                "pipeline stage saves needs a unit of its own to be left out of this stage's checkpoint"
+            )
+        if not names & skip:
+            kept.append(unit)
+    return kept
+
+
+def _kept_pieces(shard: torch.Tensor, kept: list[Unit] | None) -> torch.Tensor:
+    """This rank's shard (master or a per-element state) holding the pieces of the `kept` units only,
+    one after another (None: the whole shard)."""
+    if kept is None:
+        return shard
+    if not kept:
+        return shard.new_empty(0)
+    return torch.cat([shard.narrow(0, unit.shard_offset, unit.piece) for unit in kept])
+
+
 # ---------------------------------------------------------------------------------------------- loading
 def load_engine(
     engine: EngineState, directory: str | Path, verify: bool = True, tensor: TensorLayout | None = None
 ) -> dict[str, Any]:
     """Restore this rank's shard (master weights, optimizer state), the step and the loss scale from a
-    checkpoint saved at any world size, stage and tensor degree (`tensor`: this engine's slicing, None
-    without). `verify` checks the sha256 of each file read.
+    checkpoint saved at any world size, stage, tensor degree and pipeline layout (`tensor`: this
+    engine's slicing and stages, None without). `verify` checks the sha256 of each file read.
 
-    Every rank reads into new tensors first; only when all ranks (of the world, with slicing) have read
-    theirs without error is anything replaced, so a damaged checkpoint raises the same `CheckpointError`
-    on every rank (no rank is left waiting in a collective) and leaves the engine as it was."""
+    Every rank reads into new tensors first; only when all ranks (of the world, with slicing or stages)
+    have read theirs without error is anything replaced, so a damaged checkpoint raises the same
+    `CheckpointError` on every rank (no rank is left waiting in a collective) and leaves the engine as
+    it was."""
     directory = Path(directory)
     agree = tensor.world if tensor is not None else engine.collectives
+    model_names = _model_names(engine, tensor)
     manifest, loaded, saved = read_on_every_rank(
-        agree, lambda: _read_shard(engine, directory, verify, tensor, agree)
+        agree, lambda: _read_shard(engine, directory, verify, tensor, agree, model_names)
     )
     optimizer = engine.base_optimizer
     for group_index, (group, (master, state, hyperparameters)) in enumerate(
@@ -336,8 +432,23 @@ def load_engine(
     return manifest
 
 
+def _model_names(engine: EngineState, tensor: TensorLayout | None) -> set[str]:
+    """The trainable parameters of the whole model: this rank's, and under pipeline stages every
+    stage's (gathered over the world, so that a checkpoint's parameters no stage holds are named).
+    Collective with stages."""
+    names = {slot.name for group in engine.groups for slot in group.layout.slots}
+    if tensor is None or tensor.pipeline_degree == 1:
+        return names
+    return set().union(*tensor.world.all_gather_object(sorted(names)))
+
+
 def _read_shard(
-    engine: EngineState, directory: Path, verify: bool, tensor: TensorLayout | None, agree: Collectives
+    engine: EngineState,
+    directory: Path,
+    verify: bool,
+    tensor: TensorLayout | None,
+    agree: Collectives,
+    model_names: set[str],
 ) -> tuple[dict[str, Any], list[tuple], SavedCheckpoint]:
     """This rank's (master, optimizer state, hyperparameters) per param group, read without
     communicating and without touching the engine."""
@@ -354,50 +465,13 @@ def _read_shard(
         live_shapes[name] = tuple(
             n * degree if cut is not None and d == cut.dim else n for d, n in enumerate(slot.shape)
         )
-    _check_same_parameters(directory, saved.shapes, live_shapes)
+    _check_same_parameters(directory, saved.shapes, live_shapes, model_names)
     for name in live:
         saved.cut(name, cuts.get(name))  # the same cut on both sides, where both cut it
-    first = saved.parts[0]
-    rank0_keys = first.reader.keys(0)
-    optimizer = engine.base_optimizer
-    loaded = []
-    for group_index, group in enumerate(engine.groups):
-        sources = {first.params[slot.name].group for slot in group.layout.slots}
-        if len(sources) != 1:
-            raise CheckpointError(
-                f"{directory}: the parameters of param group {group_index} were in saved groups {sorted(sources)}: "
-                "the optimizer's param groups must hold the same parameters as when it was saved"
-            )
-        (source,) = sources
-        saved_keys = {
-            k.removeprefix(f"group{source}.") for k in rank0_keys if k.startswith(f"group{source}.")
-        }
-        master = torch.zeros_like(group.master)  # padding stays zero, as in a fresh engine
-        targets = {"master": master}
-        state: dict[str, torch.Tensor] = {}
-        for key in sorted(k for k in saved_keys if k.startswith("state.")):
-            state[key.removeprefix("state.")] = targets[key] = torch.zeros_like(group.master)
-        for slot in group.layout.slots:
-            owned = group.layout.owned_range(slot, group.shard_rank)
-            if owned is None:
-                continue
-            start, end, at = owned
-            for key, target in targets.items():
-                target[at : at + end - start].copy_(
-                    saved.read(slot.name, key, start, end, cuts.get(slot.name), degree, tensor_rank)
-                )
-        for key in sorted(k for k in saved_keys if k.startswith("scalar.")):
-            name = key.removeprefix("scalar.")
-            reference = optimizer.state.get(group.master, {}).get(name)
-            device = reference.device if reference is not None else _scalar_state_device(optimizer, group)
-            state[name] = first.reader.tensor(0, f"group{source}.{key}").reshape(()).to(device)
-        live_group = optimizer.param_groups[group_index]
-        hyperparameters = {
-            key: value
-            for key, value in manifest["param_groups"][source].items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key in live_group
-        }
-        loaded.append((master, state, hyperparameters))
+    loaded = [
+        _read_group(engine, saved, index, group, cuts, degree, tensor_rank)
+        for index, group in enumerate(engine.groups)
+    ]
     if verify:  # every saved file is hashed by one rank; read_on_every_rank makes any mismatch fail all
         files = saved.files()
         for part, rank in files[agree.rank :: agree.world_size]:
@@ -405,12 +479,75 @@ def _read_shard(
     return manifest, loaded, saved
 
 
+def _read_group(
+    engine: EngineState,
+    saved: SavedCheckpoint,
+    group_index: int,
+    group: Any,
+    cuts: dict[str, Cut],
+    degree: int,
+    tensor_rank: int,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+    """One param group's (master, optimizer state, hyperparameters): this rank's shard of them, read
+    from whichever saved parts hold its parameters."""
+    optimizer = engine.base_optimizer
+    live_group = optimizer.param_groups[group_index]
+    param_groups = saved.manifest["param_groups"]
+    if not group.layout.slots:  # a param group empty on this pipeline stage: nothing to read
+        return torch.zeros_like(group.master), {}, _hyperparameters(param_groups[group_index], live_group)
+    sources = {saved.holder(slot.name).params[slot.name].group for slot in group.layout.slots}
+    if len(sources) != 1:
+        raise CheckpointError(
+            f"{saved.directory}: the parameters of param group {group_index} were in saved groups "
+            f"{sorted(sources)}: the optimizer's param groups must hold the same parameters as when it was saved"
+        )
+    (source,) = sources
+    # The optimizer's keys and scalars (Adam's step, the same on every part) from the part holding the
+    # group's first parameter.
+    first = saved.holder(group.layout.slots[0].name)
+    prefix = f"group{source}."
+    saved_keys = {k.removeprefix(prefix) for k in first.reader.keys(0) if k.startswith(prefix)}
+    master = torch.zeros_like(group.master)  # padding stays zero, as in a fresh engine
+    targets = {"master": master}
+    state: dict[str, torch.Tensor] = {}
+    for key in sorted(k for k in saved_keys if k.startswith("state.")):
+        state[key.removeprefix("state.")] = targets[key] = torch.zeros_like(group.master)
+    for slot in group.layout.slots:
+        owned = group.layout.owned_range(slot, group.shard_rank)
+        if owned is None:
+            continue
+        start, end, at = owned
+        for key, target in targets.items():
+            target[at : at + end - start].copy_(
+                saved.read(slot.name, key, start, end, cuts.get(slot.name), degree, tensor_rank)
+            )
+    for key in sorted(k for k in saved_keys if k.startswith("scalar.")):
+        name = key.removeprefix("scalar.")
+        reference = optimizer.state.get(group.master, {}).get(name)
+        device = reference.device if reference is not None else _scalar_state_device(optimizer, group)
+        state[name] = first.reader.tensor(0, prefix + key).reshape(()).to(device)
+    return master, state, _hyperparameters(param_groups[source], live_group)
+
+
+def _hyperparameters(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    """A saved param group's numeric hyperparameters (lr, betas' scalars, ...) the live group has."""
+    return {
+        key: value
+        for key, value in saved.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key in live
+    }
+
+
 def _check_same_parameters(
-    directory: Path, saved: dict[str, tuple[int, ...]], live: dict[str, tuple[int, ...]]
+    directory: Path,
+    saved: dict[str, tuple[int, ...]],
+    live: dict[str, tuple[int, ...]],
+    model_names: set[str],
 ) -> None:
-    """The same parameter names, and the same full shapes (whole tensors, whatever the slicing)."""
+    """The same parameter names (`live`: this rank's, `model_names`: every pipeline stage's), and the
+    same full shapes (whole tensors, whatever the slicing)."""
     missing = sorted(set(live) - set(saved))
-    unexpected = sorted(set(saved) - set(live))
+    unexpected = sorted(set(saved) - set(live) - model_names)
     reshaped = sorted(
         f"{name}: saved {list(saved[name])}, model {list(shape)}"
         for name, shape in live.items()

@@ -118,22 +118,28 @@ def _check_sliced_manifest(path: Path, manifest: dict[str, Any]) -> None:
 
     layout, parts, slices = manifest["layout"], manifest["parts"], manifest["slices"]
     problems = []
-    if not (integer(layout.get("tensor"), 1) and layout.get("pipeline") == 1):
-        problems.append(f"layout {layout} (expected a tensor degree >= 1 and pipeline 1)")
-    elif sorted(p.get("tensor_rank") for p in parts if isinstance(p, dict)) != list(range(layout["tensor"])):
-        problems.append(f"parts: expected one sub-checkpoint per tensor rank 0..{layout['tensor'] - 1}")
+    if not (integer(layout.get("tensor"), 1) and integer(layout.get("pipeline"), 1)):
+        problems.append(f"layout {layout} (expected tensor and pipeline degrees >= 1)")
+    else:
+        tensor, pipeline = layout["tensor"], layout["pipeline"]
+        found = sorted(
+            (p.get("pipeline_stage"), p.get("tensor_rank"))
+            for p in parts
+            if isinstance(p, dict) and integer(p.get("pipeline_stage")) and integer(p.get("tensor_rank"))
+        )
+        if found != [(s, t) for s in range(pipeline) for t in range(tensor)]:
+            stages = f" of each pipeline stage 0..{pipeline - 1}" if pipeline > 1 else ""
+            problems.append(f"parts: expected one sub-checkpoint per tensor rank 0..{tensor - 1}{stages}")
     for part in parts:
         if not (
             isinstance(part, dict)
             and isinstance(part.get("directory"), str)
             and re.fullmatch(r"[A-Za-z0-9_-]+", part["directory"])  # a name inside the checkpoint only
             and integer(part.get("tensor_rank"))
-            and part.get("pipeline_stage") == 0
+            and integer(part.get("pipeline_stage"))
             and isinstance(part.get("sha256"), str)
         ):
-            problems.append(
-                f"part {part!r} (expected a directory name, tensor_rank, pipeline_stage 0, sha256)"
-            )
+            problems.append(f"part {part!r} (expected a directory name, tensor_rank, pipeline_stage, sha256)")
     for name, entry in slices.items():
         if not (
             isinstance(entry, dict)
@@ -246,18 +252,22 @@ class ShardReader:
 
 @dataclass(frozen=True)
 class SavedPart:
-    """One sub-checkpoint (the whole checkpoint, without tensor slicing): its manifest, files, parameters."""
+    """One sub-checkpoint (the whole checkpoint, without tensor slicing or pipeline stages): its
+    coordinates, manifest, files and parameters."""
 
     directory: Path
     manifest: dict[str, Any]
     reader: ShardReader
     params: dict[str, SavedParam]
+    pipeline_stage: int = 0
+    tensor_rank: int = 0
 
 
 class SavedCheckpoint:
-    """An engine checkpoint opened for reading, with tensor slicing or without (one part of degree 1):
-    each parameter's full shape and saved cut, and reads of any slice of it at any tensor degree (see
-    [Note: slice runs] in slice_runs.py). Manifests are read and checked here; files on first use."""
+    """An engine checkpoint opened for reading, with tensor slicing and pipeline stages or without (one
+    part of degree 1): each parameter's full shape, saved cut and the part holding it for each saved
+    tensor rank, and reads of any slice of it at any tensor degree (see [Note: slice runs] in
+    slice_runs.py). Manifests are read and checked here; files on first use."""
 
     def __init__(self, directory: str | Path, verify: bool = True):
         self.directory = Path(directory)
@@ -266,31 +276,23 @@ class SavedCheckpoint:
             self.degree, self.cuts = 1, {}
             self.parts = [self._part(self.directory, self.manifest, verify)]
             self.shapes = {name: saved.shape for name, saved in self.parts[0].params.items()}
+            self.holders = {name: [0] for name in self.shapes}
+            self.unmanaged_holders = {name: [0] for name in self.manifest.get("unmanaged", [])}
             return
         self.degree = self.manifest["layout"]["tensor"]
         slices = self.manifest["slices"]
         self.cuts = {name: Cut(entry["dim"], entry["parts"]) for name, entry in slices.items()}
-        self.parts = []
-        for entry in sorted(self.manifest["parts"], key=lambda p: p["tensor_rank"]):
-            sub = self.directory / entry["directory"]
-            if not (sub / MANIFEST).is_file():
-                raise CheckpointError(
-                    f"{sub / MANIFEST} is missing: the checkpoint lacks tensor rank "
-                    f"{entry['tensor_rank']}'s sub-checkpoint"
-                )
-            if sha256_of(sub / MANIFEST) != entry["sha256"]:
-                raise CheckpointError(
-                    f"{sub / MANIFEST}: sha256 differs from the one {self.directory / MANIFEST} records: "
-                    "the sub-checkpoint was changed or belongs to another save"
-                )
-            manifest = read_manifest(sub)
-            if is_sliced(manifest):
-                raise CheckpointError(f"{sub / MANIFEST} is a sliced checkpoint's top, not a sub-checkpoint")
-            self.parts.append(self._part(sub, manifest, verify))
-        first = self.parts[0].params
+        self.parts = [
+            self._open_part(entry, verify)
+            for entry in sorted(self.manifest["parts"], key=lambda p: (p["pipeline_stage"], p["tensor_rank"]))
+        ]
+        self.holders = self._holders({index: part.params for index, part in enumerate(self.parts)}, True)
+        self.unmanaged_holders = self._holders(
+            {index: part.manifest.get("unmanaged", []) for index, part in enumerate(self.parts)}, False
+        )
         self.shapes = {
-            name: tuple(slices[name]["shape"]) if name in slices else saved.shape
-            for name, saved in first.items()
+            name: tuple(slices[name]["shape"]) if name in slices else self.parts[held[0]].params[name].shape
+            for name, held in self.holders.items()
         }
         for name, cut in self.cuts.items():
             if name in self.shapes and not divides(self.shapes[name], cut, self.degree):
@@ -299,27 +301,91 @@ class SavedCheckpoint:
                     f"divide into {self.degree} tensor ranks"
                 )
         for part in self.parts:
-            expected = {
-                name: local_shape(shape, self.cuts.get(name), self.degree)
-                for name, shape in self.shapes.items()
-            }
             found = {name: saved.shape for name, saved in part.params.items()}
-            if found != expected:
-                wrong = sorted(set(found) ^ set(expected)) or sorted(
-                    f"{n}: {list(found[n])}, expected {list(expected[n])}"
-                    for n in found
-                    if found[n] != expected[n]
-                )
+            expected = {
+                name: local_shape(self.shapes[name], self.cuts.get(name), self.degree) for name in found
+            }
+            wrong = sorted(
+                f"{n}: {list(found[n])}, expected {list(expected[n])}"
+                for n in found
+                if found[n] != expected[n]
+            )
+            if wrong:
                 raise CheckpointError(
                     f"{part.directory} does not hold the parameters its checkpoint's manifest describes: "
                     + ", ".join(wrong[:5])
                 )
 
-    @staticmethod
-    def _part(directory: Path, manifest: dict[str, Any], verify: bool) -> SavedPart:
-        return SavedPart(
-            directory, manifest, ShardReader(directory, manifest, verify), saved_params(manifest)
+    def _open_part(self, entry: dict[str, Any], verify: bool) -> SavedPart:
+        """One sub-checkpoint the top manifest lists, its manifest checked against the recorded sha256."""
+        sub = self.directory / entry["directory"]
+        stage = (
+            f"pipeline stage {entry['pipeline_stage']}, " if self.manifest["layout"]["pipeline"] > 1 else ""
         )
+        if not (sub / MANIFEST).is_file():
+            raise CheckpointError(
+                f"{sub / MANIFEST} is missing: the checkpoint lacks {stage}tensor rank "
+                f"{entry['tensor_rank']}'s sub-checkpoint"
+            )
+        if sha256_of(sub / MANIFEST) != entry["sha256"]:
+            raise CheckpointError(
+                f"{sub / MANIFEST}: sha256 differs from the one {self.directory / MANIFEST} records: "
+                "the sub-checkpoint was changed or belongs to another save"
+            )
+        manifest = read_manifest(sub)
+        if is_sliced(manifest):
+            raise CheckpointError(f"{sub / MANIFEST} is a sliced checkpoint's top, not a sub-checkpoint")
+        return self._part(sub, manifest, verify, entry["pipeline_stage"], entry["tensor_rank"])
+
+    def _holders(self, names: dict[int, Any], strict: bool) -> dict[str, list[int]]:
+        """{name: the index of the part holding it, per saved tensor rank}, from {part index: its names}.
+        Every tensor rank's stages together hold every parameter exactly once (the tied embedding is
+        saved by the first stage only, see [Note: pipeline checkpoints] in checkpoint.py); `strict`
+        False (module state): a name on several stages is taken from the first."""
+        holders: dict[str, list[int | None]] = {}
+        for index, held in names.items():
+            part = self.parts[index]
+            for name in held:
+                column = holders.setdefault(name, [None] * self.degree)
+                previous = column[part.tensor_rank]
+                if previous is not None and strict:
+                    raise CheckpointError(
+                        f"{self.directory}: {name} is saved by two parts, {self.parts[previous].directory.name} "
+                        f"and {part.directory.name}: each parameter must be saved once per tensor rank"
+                    )
+                if previous is None:
+                    column[part.tensor_rank] = index
+        lacking = sorted(
+            f"{name} (tensor rank {rank})"
+            for name, column in holders.items()
+            for rank, index in enumerate(column)
+            if index is None
+        )
+        if lacking:
+            raise CheckpointError(
+                f"{self.directory}: no sub-checkpoint holds "
+                + ", ".join(lacking[:5])
+                + (f", ... ({len(lacking)} in all)" if len(lacking) > 5 else "")
+            )
+        return holders  # type: ignore[return-value]
+
+    @staticmethod
+    def _part(
+        directory: Path, manifest: dict[str, Any], verify: bool, pipeline_stage: int = 0, tensor_rank: int = 0
+    ) -> SavedPart:
+        return SavedPart(
+            directory,
+            manifest,
+            ShardReader(directory, manifest, verify),
+            saved_params(manifest),
+            pipeline_stage,
+            tensor_rank,
+        )
+
+    def holder(self, name: str, tensor_rank: int = 0) -> SavedPart:
+        """The part holding saved tensor rank `tensor_rank`'s slice of parameter `name` (its whole
+        value when it is not sliced)."""
+        return self.parts[self.holders[name][tensor_rank]]
 
     @property
     def names(self) -> list[str]:
@@ -357,10 +423,11 @@ class SavedCheckpoint:
         for part, at, position, length in runs(
             self.shapes[name], cut, live_degree, live_rank, saved_degree, start, end
         ):
-            saved = self.parts[part].params[name]
+            holder = self.holder(name, part)
+            saved = holder.params[name]
             for file, shard_at, element, count in saved.segments(at, at + length):
                 here = position + element - at
-                flat[here : here + count] = self.parts[part].reader.read(
+                flat[here : here + count] = holder.reader.read(
                     file, f"group{saved.group}.{key}", shard_at, count
                 )
         return flat
@@ -371,10 +438,21 @@ class SavedCheckpoint:
 
     @property
     def unmanaged(self) -> list[str]:
-        return list(self.manifest.get("unmanaged", []))
+        """The frozen parameters and buffers every part holds, in stage order."""
+        return list(self.unmanaged_holders)
+
+    def unmanaged_slice(self, name: str, tensor_rank: int = 0):
+        """The safetensors slice (shape, dtype; no data read) of saved tensor rank `tensor_rank`'s
+        `name`, a frozen parameter or buffer, in rank 0's file of the part holding it."""
+        part = self.parts[self.unmanaged_holders[name][tensor_rank]]
+        return part.reader.file(0).get_slice(UNMANAGED_PREFIX + name)
+
+    def _unmanaged_part(self, name: str, tensor_rank: int) -> torch.Tensor:
+        part = self.parts[self.unmanaged_holders[name][tensor_rank]]
+        return part.reader.tensor(0, UNMANAGED_PREFIX + name)
 
     def unmanaged_shape(self, name: str) -> tuple[int, ...]:
-        shape = tuple(self.parts[0].reader.file(0).get_slice(UNMANAGED_PREFIX + name).get_shape())
+        shape = tuple(self.unmanaged_slice(name).get_shape())
         cut = self.cuts.get(name)
         if cut is not None:
             shape = tuple(n * self.degree if d == cut.dim else n for d, n in enumerate(shape))
@@ -383,10 +461,11 @@ class SavedCheckpoint:
     def unmanaged_tensor(
         self, name: str, live: Cut | None = None, degree: int = 1, rank: int = 0
     ) -> torch.Tensor:
-        """A frozen parameter or buffer (rank 0's file of each part): whole, or tensor rank `rank`'s slice."""
+        """A frozen parameter or buffer (rank 0's file of the parts holding it): whole, or tensor rank
+        `rank`'s slice."""
         saved_cut = self.cuts.get(name)
         if saved_cut is None and live is None:
-            return self.parts[0].reader.tensor(0, UNMANAGED_PREFIX + name)
+            return self._unmanaged_part(name, 0)
         cut = self.cut(name, live)
         full = self.unmanaged_shape(name)
         pieces = {}
@@ -398,7 +477,7 @@ class SavedCheckpoint:
             full, cut, live_degree, live_rank, self.degree if saved_cut else 1, 0, numel
         ):
             if part not in pieces:
-                pieces[part] = self.parts[part].reader.tensor(0, UNMANAGED_PREFIX + name).flatten()
+                pieces[part] = self._unmanaged_part(name, part).flatten()
             if flat is None:
                 flat = torch.empty(numel, dtype=pieces[part].dtype)
             flat[position : position + length] = pieces[part][at : at + length]

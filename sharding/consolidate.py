@@ -1,4 +1,5 @@
-"""Offline consolidation: an engine checkpoint (any world size, stage, tensor degree) → one model's tensors.
+"""Offline consolidation: an engine checkpoint (any world size, stage, tensor degree, pipeline stages) →
+one model's tensors.
 
     consolidate(checkpoint_dir, output_dir, max_shard_size="5GB", dtype=torch.bfloat16)
 
@@ -24,7 +25,7 @@ from safetensors.torch import save_file
 
 from tnlg.modeling.loading import remove_weight_files, write_checksums
 
-from .checkpoint import UNMANAGED_PREFIX, CheckpointError, SavedCheckpoint
+from .checkpoint import CheckpointError, SavedCheckpoint
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -84,7 +85,8 @@ def consolidate(
 class _SavedTensors:
     """The checkpoint's tensors by their module names, each assembled on demand from the rank files'
     slices: the sharded parameters from their fp32 masters, the rest from rank 0's file; with tensor
-    slicing, from every tensor rank's sub-checkpoint (see [Note: sliced checkpoints] in checkpoint.py)."""
+    slicing and pipeline stages, from the sub-checkpoint of the stage and tensor rank holding each (see
+    [Note: sliced checkpoints] and [Note: pipeline checkpoints] in checkpoint.py)."""
 
     def __init__(self, checkpoint: Path, dtype: torch.dtype | None, verify: bool):
         self.saved = SavedCheckpoint(checkpoint, verify)
@@ -103,7 +105,7 @@ class _SavedTensors:
         dtype_bytes = torch.finfo(self.dtype).bits // 8 if self.dtype is not None else None
         if name in self.saved.shapes:
             return self.saved.numel(name) * (dtype_bytes or 4)
-        sliced = self.saved.parts[0].reader.file(0).get_slice(UNMANAGED_PREFIX + name)
+        sliced = self.saved.unmanaged_slice(name)
         element = dtype_bytes or _element_size(sliced.get_dtype())
         return int(torch.Size(self.saved.unmanaged_shape(name)).numel()) * element
 

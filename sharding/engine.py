@@ -407,8 +407,9 @@ class ZeroEngine(nn.Module):
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """Every rank writes its own shard (fp32 master + optimizer state) to `directory`; with tensor
-        slicing, each tensor rank's data group a sub-checkpoint of its slices (see [Note: sliced
-        checkpoints] in checkpoint.py). Collective."""
+        slicing or pipeline stages, each (pipeline rank, tensor rank)'s data group a sub-checkpoint of
+        what it holds (see [Note: sliced checkpoints] and [Note: pipeline checkpoints] in
+        checkpoint.py). Collective."""
         self._require_optimizer("save_checkpoint")
         steps = self.batch_sizes.gradient_accumulation_steps
         if self.micro_steps % steps:
@@ -416,19 +417,20 @@ class ZeroEngine(nn.Module):
                 f"save_checkpoint inside an accumulation window ({self.micro_steps % steps} of {steps} "
                 "micro-steps accumulated): their gradients are not saved; save after the boundary's step()"
             )
-        tensor = tensor_layout(self.parallel, self.tensor_slices)
-        first = tensor.world.rank == 0 if tensor is not None else self.collectives.rank == 0
+        layout = tensor_layout(self.parallel, self.tensor_slices, self.pipeline)
+        first = layout.world.rank == 0 if layout is not None else self.collectives.rank == 0
         if self.lr_scheduler is not None and first:
             save_scheduler_state(self.lr_scheduler, Path(directory))  # before the manifest, written last
-        save_engine(self, directory, tensor)
+        save_engine(self, directory, layout)
 
     def load_checkpoint(self, directory: str | Path, verify: bool = True) -> dict[str, Any]:
-        """This rank's shard from a checkpoint saved at any world size, stage and tensor degree (see [Note:
-        reshaping] and [Note: sliced checkpoints] in checkpoint.py); `verify` checks the files' sha256.
-        Returns the manifest."""
+        """This rank's shard from a checkpoint saved at any world size, stage, tensor degree and pipeline
+        layout (see [Note: reshaping], [Note: sliced checkpoints] and [Note: pipeline checkpoints] in
+        checkpoint.py); `verify` checks the files' sha256. Returns the manifest."""
         self._require_optimizer("load_checkpoint")
         schedule = read_scheduler_state(self.lr_scheduler, Path(directory))
-        manifest = load_engine(self, directory, verify, tensor_layout(self.parallel, self.tensor_slices))
+        layout = tensor_layout(self.parallel, self.tensor_slices, self.pipeline)
+        manifest = load_engine(self, directory, verify, layout)
         if schedule is not None:
             self.lr_scheduler.load_state_dict(schedule)
         self.micro_steps = 0  # checkpoints are saved at accumulation boundaries

@@ -15,7 +15,7 @@ import torch
 
 from tests.support.parallel_checkpoint_cases import SAVE_AT, STEPS, run_layout, try_load
 from tnlg.modeling.tensor_parallel import TensorSlice
-from tnlg.sharding.checkpoint import CheckpointError, SavedCheckpoint, read_manifest
+from tnlg.sharding.checkpoint import CheckpointError, SavedCheckpoint, read_manifest, saved_params
 from tnlg.sharding.consolidate import consolidate
 from tnlg.sharding.slice_runs import Cut, runs
 from tnlg.tools.spawn import run_distributed
@@ -194,3 +194,170 @@ def test_every_rank_of_a_sliced_load_raises_the_same_error(saved, tmp_path):
     directory = _damaged(saved[0], tmp_path, "missing rank file")
     errors = run_distributed(try_load, 4, 2, 2, str(directory), timeout=400)
     assert all(e is not None and "rank-00001.safetensors is missing" in e for e in errors), errors
+
+
+# ------------------------------------------------------------------------------- pipeline stages
+LAYERS = 4  # two pipeline stages hold two layers each
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    """The chain tensor x pipeline x data 2x1x2 (ZeRO-3) -> 1x1x4 (ZeRO-2) -> 1x2x2 (ZeRO-1) of the
+    4-layer model: the first run saves after SAVE_AT steps and goes on (the reference continuation),
+    each next one loads the previous checkpoint, saves what it loaded at once, and trains on."""
+    root = tmp_path_factory.mktemp("pipeline")
+    paths = {name: root / name for name in ("2x1x2", "1x1x4", "1x2x2")}
+    runs = {
+        "2x1x2": run_distributed(
+            run_layout, 4, 2, 3, str(paths["2x1x2"]), None, None, 1, LAYERS, timeout=400
+        )[0],
+        "1x1x4": run_distributed(
+            run_layout, 4, 1, 2, None, str(paths["2x1x2"]), str(paths["1x1x4"]), 1, LAYERS, timeout=400
+        )[0],
+        "1x2x2": run_distributed(
+            run_layout, 4, 1, 1, None, str(paths["1x1x4"]), str(paths["1x2x2"]), 2, LAYERS, timeout=400
+        )[0],
+    }
+    return paths, runs
+
+
+def _assert_resumed(resumed: dict, original: dict) -> None:
+    """Weights and Adam's state (moments and step) back bit for bit, then the saved layout's training."""
+    assert resumed["start"] == SAVE_AT
+    _assert_equal(resumed["loaded"], original["saved"])
+    _assert_equal(resumed["loaded_moments"], original["saved_moments"])
+    assert resumed["losses"] == pytest.approx(original["losses"][SAVE_AT:], rel=1e-5, abs=1e-6)
+    _assert_close(resumed["state"], original["state"])
+
+
+@pytest.mark.slow
+def test_the_pipeline_checkpoint_layout(chain):
+    paths, _ = chain
+    manifest = read_manifest(paths["1x2x2"])
+    assert manifest["layout"] == {"tensor": 1, "pipeline": 2, "data": 2}
+    assert [
+        (p["directory"], p["pipeline_stage"], p["tensor_rank"], p["stages"]) for p in manifest["parts"]
+    ] == [
+        ("pipeline-00-tensor-00", 0, 0, [0]),
+        ("pipeline-01-tensor-00", 1, 0, [1]),
+    ]
+    first, last = (saved_params(read_manifest(paths["1x2x2"] / p["directory"])) for p in manifest["parts"])
+    # Each stage saves its own layers; the tied embedding, held by both stages, is saved by the first only.
+    assert "model.layers.1.mlp.fc_in.weight" in first and "model.layers.2.mlp.fc_in.weight" in last
+    assert "model.final_layernorm.weight" in last
+    assert "model.embed_tokens.weight" in first and "model.embed_tokens.weight" not in last
+    assert not set(first) & set(last)
+
+
+@pytest.mark.slow
+def test_the_chain_2x1x2_to_1x1x4_to_1x2x2_is_exact(chain):
+    paths, runs = chain
+    original = runs["2x1x2"]
+    for layout in ("1x1x4", "1x2x2"):
+        _assert_resumed(runs[layout], original)
+    # What each load restored, saved again at once, holds the first checkpoint's weights and moments.
+    before = _consolidated(paths["2x1x2"])
+    _assert_equal(_consolidated(paths["1x1x4"]), before)
+    _assert_equal(_consolidated(paths["1x2x2"]), before)
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_at_tensor2_pipeline2(chain, tmp_path):
+    """Pipeline 2 -> tensor 2 x pipeline 2 x data 1 (ZeRO-3): four parts, the tied embedding on two."""
+    paths, runs = chain
+    resaved = tmp_path / "2x2x1"
+    resumed = run_distributed(
+        run_layout, 4, 2, 3, None, str(paths["1x2x2"]), str(resaved), 2, LAYERS, timeout=400
+    )[0]
+    _assert_resumed(resumed, runs["2x1x2"])
+    assert [p["directory"] for p in read_manifest(resaved)["parts"]] == [
+        "pipeline-00-tensor-00",
+        "pipeline-00-tensor-01",
+        "pipeline-01-tensor-00",
+        "pipeline-01-tensor-01",
+    ]
+    _assert_equal(_consolidated(resaved), _consolidated(paths["2x1x2"]))
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_loads_and_consolidates_in_one_process(chain, tmp_path):
+    from safetensors.torch import load_file
+
+    from tnlg.modeling import TNLGForCausalLM
+
+    paths, runs = chain
+    original = runs["2x1x2"]
+    resumed = run_layout(0, 1, None, 0, None, str(paths["1x2x2"]), None, 1, LAYERS)
+    _assert_resumed(resumed, original)
+    consolidate(paths["1x2x2"], tmp_path / "model", dtype=None)
+    tensors = load_file(tmp_path / "model" / "model.safetensors")
+    assert len(tensors) == len(original["saved"]) - 1  # the tied output layer under its first name only
+    _assert_equal(tensors, {key: value for key, value in original["saved"].items() if key in tensors})
+    model = TNLGForCausalLM.from_pretrained(tmp_path / "model")
+    _assert_equal(dict(model.state_dict()), original["saved"])
+
+
+def _without_stage_one(directory: Path, tmp_path: Path, damage: str) -> Path:
+    copy = tmp_path / "damaged"
+    shutil.copytree(directory, copy)
+    if damage == "missing part":
+        shutil.rmtree(copy / "pipeline-01-tensor-00")
+    else:  # the top manifest lists stage 0's part only
+        manifest = json.loads((copy / "manifest.json").read_text())
+        manifest["parts"] = manifest["parts"][:1]
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("missing part", r"pipeline-01-tensor-00/manifest\.json is missing.*pipeline stage 1, tensor rank 0"),
+        ("part not listed", r"one sub-checkpoint per tensor rank 0\.\.0 of each pipeline stage 0\.\.1"),
+    ],
+)
+def test_a_pipeline_checkpoint_missing_a_stage_is_named(chain, tmp_path, damage, message):
+    directory = _without_stage_one(chain[0]["1x2x2"], tmp_path, damage)
+    assert re.search(message, try_load(0, 1, None, 2, str(directory), 1, LAYERS) or "")
+    with pytest.raises(CheckpointError, match=message):
+        consolidate(directory, tmp_path / "model")
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_of_another_model_fails_on_every_stage(chain):
+    """Two stages of a 2-layer model: no stage holds layers 2-3 of the saved 4-layer model."""
+    errors = run_distributed(try_load, 4, 1, 1, str(chain[0]["1x2x2"]), 2, 2, timeout=400)
+    assert all(
+        e is not None and "different model's parameters; unexpected: model.layers.2" in e for e in errors
+    ), errors
+
+
+@pytest.mark.parametrize(
+    ("saved", "live", "process", "expected"),
+    [
+        ((1, 2, 2), (1, 2, 2), 3, (3, True)),  # the saved layout: each rank its own
+        ((1, 2, 2), (1, 1, 4), 3, (0, False)),  # as many ranks and tensor 1 alike, but 4 replicas, not 2
+        ((1, 2, 2), (2, 1, 2), 3, (1, True)),  # data replica 1: saved pipeline 0, data 1, tensor 0
+        ((2, 1, 2), (1, 2, 2), 3, (2, True)),  # live pipeline 1, data 1: saved data 1 x tensor 2
+    ],
+    ids=["same", "other-data-degree", "pipeline-to-tensor", "tensor-to-pipeline"],
+)
+def test_a_run_resumes_each_replicas_data_position_across_pipeline_layouts(saved, live, process, expected):
+    """`RunCheckpointer._data_state_rank` for layouts (tensor, pipeline, data) on 4 processes."""
+    from types import SimpleNamespace
+
+    from tnlg.run.checkpoint import RunCheckpointer
+    from tnlg.sharding import ParallelDims
+
+    tensor, pipeline, data = live
+    data_rank = process // tensor % data  # the mesh is (pipeline, data, tensor), tensor innermost
+    accelerator = SimpleNamespace(
+        parallel_dims=ParallelDims(tensor=tensor, pipeline=pipeline, data=data),
+        data_parallel_rank=data_rank,
+        data_parallel_size=data,
+        process_index=process,
+        num_processes=4,
+    )
+    layout = dict(zip(("tensor", "pipeline", "data"), saved, strict=True))
+    assert RunCheckpointer("unused", 1, accelerator)._data_state_rank(4, layout) == expected

@@ -184,16 +184,18 @@ class RunCheckpointer:
     def _data_state_rank(self, saved_world: int, layout: dict[str, int]) -> tuple[int, bool]:
         """The saved rank whose data position (and, at the same layout, RNG) this rank takes back: its own
         at the saved layout; at another layout with as many data replicas, the saved rank of tensor rank 0
-        in this data replica (tensor innermost: data rank x the saved tensor degree), whose position is
-        this replica's; else rank 0, which holds the global data position. Also whether the position is
-        this data replica's own (not the global one)."""
+        and pipeline rank 0 in this data replica (the saved mesh is (pipeline, data, tensor), tensor
+        innermost: data rank x the saved tensor degree), whose position is this replica's; else rank 0,
+        which holds the global data position. Also whether the position is this data replica's own (not
+        the global one)."""
         accelerator = self.accelerator
         dims = getattr(accelerator, "parallel_dims", None)
         data_rank = getattr(accelerator, "data_parallel_rank", accelerator.process_index)
         data_size = getattr(accelerator, "data_parallel_size", accelerator.num_processes)
-        if saved_world == accelerator.num_processes and layout["tensor"] == (dims.tensor if dims else 1):
+        model_cut = (dims.tensor, dims.pipeline) if dims else (1, 1)
+        if saved_world == accelerator.num_processes and (layout["tensor"], layout["pipeline"]) == model_cut:
             return accelerator.process_index, True
-        if layout["data"] == data_size and layout["pipeline"] == 1:
+        if layout["data"] == data_size:
             return data_rank * layout["tensor"], True
         return 0, False
 
