@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.data_loader import prepare_data_loader
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
@@ -197,7 +198,8 @@ def _accelerate_parallelism_hidden(hide: bool):
 def parallel_dims_for(parallel: ParallelDims | None, config: Any) -> ParallelDims | None:
     """The engine's layout from `parallel=` or Accelerate's `ParallelismConfig` (also the one its launcher's
     `--use_parallelism_config` environment describes); None for plain data parallelism. Both given, or a
-    context / sequence parallel degree (which the engine does not apply), is a ValueError."""
+    context / sequence parallel degree (which the engine does not apply), is a ValueError. Pipeline stages
+    come from `parallel=` only: Accelerate's ParallelismConfig has no pipeline dimension (1.15)."""
     if config is None and os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
         from accelerate.parallelism_config import ParallelismConfig
 
@@ -366,6 +368,42 @@ class ZeroAccelerator(Accelerator):
         """How many shares the data is cut into (the number of processes without tensor slicing or
         pipeline stages)."""
         return self.parallel_dims.data if self.parallel_dims is not None else self.num_processes
+
+    def prepare_data_loader(
+        self, data_loader: torch.utils.data.DataLoader, device_placement=None, slice_fn_for_dispatch=None
+    ):
+        """Accelerate's, except under pipeline stages: Accelerate shards a loader by its mesh's tensor and data
+        dimensions only, which would give the ranks of a later stage shares past the last data rank. There the
+        loader is sharded by data rank, so that a pipeline group (and each tensor group in it) reads the
+        same batches."""
+        if self.parallel_dims is None or self.parallel_dims.pipeline == 1:
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            if data_loader not in self._dataloaders:
+                self._dataloaders.append(data_loader)
+            return data_loader
+        if self.dispatch_batches:
+            raise ValueError(
+                "dispatch_batches=True sends process 0's batches to every process, but under pipeline stages the "
+                "batches are shared by data rank: leave dispatch_batches unset (each data rank reads its share)"
+            )
+        prepared = prepare_data_loader(
+            data_loader,
+            self.device,
+            num_processes=self.data_parallel_size,
+            process_index=self.data_parallel_rank,
+            split_batches=self.split_batches,
+            put_on_device=self.device_placement if device_placement is None else device_placement,
+            rng_types=self.rng_types.copy(),
+            dispatch_batches=False,
+            even_batches=self.even_batches,
+            use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=self.dataloader_config.data_seed,
+            non_blocking=self.non_blocking,
+            use_stateful_dataloader=self.use_stateful_dataloader,
+        )
+        self._dataloaders.append(prepared)
+        return prepared
 
     @property
     def engine(self) -> ZeroEngine:

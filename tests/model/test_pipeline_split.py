@@ -28,7 +28,7 @@ def test_stage_layers_are_contiguous_and_as_even_as_the_count_allows(layers, sta
 
 
 def test_more_stages_than_layers_is_an_error_naming_both():
-    with pytest.raises(ValueError, match="3 pipeline stages need at least one layer each.*2 layers"):
+    with pytest.raises(ValueError, match=r"3 pipeline stages need at least one layer each.*2 layers"):
         stage_layers(2, 3)
 
 
@@ -80,7 +80,7 @@ def test_a_stage_keeps_the_whole_models_names_and_drops_the_rest():
     assert split.shared == {"model.embed_tokens.weight": [0, 1]}
     assert isinstance(model.model.layers[0], DroppedModule)
     with pytest.raises(
-        RuntimeError, match="model.embed_positions is not on this rank: it holds pipeline stages"
+        RuntimeError, match=r"model\.embed_positions is not on this rank: it holds pipeline stages"
     ):
         model(torch.zeros(1, 4, dtype=torch.long))
 

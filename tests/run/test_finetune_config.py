@@ -46,3 +46,11 @@ def test_overrides_reach_nested_sections():
 def test_mistakes_are_refused_by_name(overrides, message):
     with pytest.raises(ValueError, match=message):
         load_finetune_config(None, overrides)
+
+
+def test_fine_tuning_refuses_pipeline_stages_and_takes_tensor_slicing():
+    with pytest.raises(
+        ValueError, match=r"parallel.pipeline 2: fine-tuning runs with data parallelism and tensor"
+    ):
+        load_finetune_config(None, ["--parallel.pipeline", "2"])
+    assert load_finetune_config(None, ["--parallel.tensor", "2"]).parallel.tensor == 2

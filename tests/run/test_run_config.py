@@ -135,7 +135,16 @@ def test_parallel_section_gives_the_engine_its_layout():
     assert load_run_config(None).parallel.dims() is None  # data parallelism alone
     config = load_run_config(None, ["--parallel.tensor", "2", "--parallel.pipeline", "1"])
     assert config.parallel.dims() == ParallelDims(tensor=2, pipeline=1)
-    assert config.to_dict()["parallel"] == {"tensor": 2, "pipeline": 1}
+    assert config.to_dict()["parallel"] == {"tensor": 2, "pipeline": 1, "virtual_stages": 1}
+    interleaved = load_run_config(None, ["--parallel.pipeline", "2", "--parallel.virtual_stages", "2"])
+    assert interleaved.parallel.dims() == ParallelDims(pipeline=2, virtual_stages=2)
+
+
+def test_virtual_stages_need_pipeline_ranks():
+    with pytest.raises(ValueError, match=r"parallel\.virtual_stages 2 .*parallel\.pipeline >= 2"):
+        load_run_config(None, ["--parallel.virtual_stages", "2"])
+    with pytest.raises(ValueError, match=r"parallel\.virtual_stages must be an integer >= 1, got 0"):
+        load_run_config(None, ["--parallel.pipeline", "2", "--parallel.virtual_stages", "0"])
 
 
 @pytest.mark.parametrize(

@@ -96,17 +96,3 @@ def meta_model(architecture: TNLGConfig) -> nn.Module:
     slices when the run starts from a checkpoint, else from the seeded initialization)."""
     with torch.device("meta"):
         return TNLGForCausalLM(architecture)
-
-
-def whole_pretrained(model: nn.Module, init_from: str) -> nn.Module:
-    """`init_from`'s weights, whole, in place of a meta `model` (a model with weights is returned as it
-    is): for tensor slicing, under which the engine does not yet read each rank's slices of a checkpoint.
-    Every rank holds the whole model until the engine cuts it."""
-    if not any(p.is_meta for p in model.parameters()):
-        return model
-    if not isinstance(model, TNLGForCausalLM):
-        raise ValueError(
-            f"tensor slicing from init_from needs the model's weights, and a meta {type(model).__name__} cannot "
-            "be given them here: build it with weights"
-        )
-    return TNLGForCausalLM.from_pretrained(init_from, config=model.config)

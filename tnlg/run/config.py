@@ -169,22 +169,30 @@ class TrainSection:
 class ParallelSection:
     """The layout beyond data parallelism (see [Note: parallel layout] in sharding/parallel.py): `tensor`
     slices every layer across that many consecutive ranks, `pipeline` cuts the layers into stages; the data
-    degree is what is left of the world (`--parallel.tensor 2` on 4 processes: 2 data replicas)."""
+    degree is what is left of the world (`--parallel.tensor 2` on 4 processes: 2 data replicas).
+    `virtual_stages` > 1 gives each pipeline rank that many stages, run by the interleaved 1F1B schedule
+    (fewer idle steps at the start and end of each step, for more messages between the ranks)."""
 
     tensor: int = 1
     pipeline: int = 1
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline"):
+        for name in ("tensor", "pipeline", "virtual_stages"):
             value = getattr(self, name)
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
             require(f"parallel.{name}", value, ok, "an integer >= 1")
+        if self.virtual_stages > 1 and self.pipeline == 1:
+            raise ValueError(
+                f"parallel.virtual_stages {self.virtual_stages} divides the layers among pipeline ranks: "
+                "set parallel.pipeline >= 2 as well, or leave virtual_stages at 1"
+            )
 
     def dims(self) -> ParallelDims | None:
         """The engine's layout, or None for data parallelism alone."""
         if self.tensor == 1 and self.pipeline == 1:
             return None
-        return ParallelDims(tensor=self.tensor, pipeline=self.pipeline)
+        return ParallelDims(tensor=self.tensor, pipeline=self.pipeline, virtual_stages=self.virtual_stages)
 
 
 @dataclass(kw_only=True)

@@ -116,6 +116,16 @@ class FinetuneConfig(TrainingConfig):
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     logging: LoggingSection = field(default_factory=lambda: LoggingSection(project="finetune"))
 
+    def __post_init__(self) -> None:
+        if self.parallel.pipeline > 1:
+            # Task examples are padded (an attention mask the stages cannot carry), and the evaluation
+            # generates with the whole model, which no rank holds under pipeline stages.
+            raise ValueError(
+                f"parallel.pipeline {self.parallel.pipeline}: fine-tuning runs with data parallelism and tensor "
+                "slicing only (padded examples and generation need the whole model); pipeline stages are for "
+                "pretraining. Use parallel.tensor to cut a model too large for one rank"
+            )
+
 
 def load_finetune_config(path: str | Path | None, overrides: list[str] | None = None) -> FinetuneConfig:
     return load_config(FinetuneConfig, path, overrides)

@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from tnlg.accelerate import ZeroAccelerator
 from tnlg.modeling import TNLGConfig
 from tnlg.run.activations import enable_activation_checkpointing, offloaded_activations
-from tnlg.run.build import check_init_from, meta_model, model_config, run_tokenizer, whole_pretrained
+from tnlg.run.build import check_init_from, meta_model, model_config, run_tokenizer
 from tnlg.run.checkpoint import RunCheckpointer
 from tnlg.run.config import TrainingConfig
 from tnlg.run.launch_checks import check_ranks_run_the_same_job
@@ -116,10 +116,6 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
     tokenizer = run_tokenizer(job.tokenizer, config.model)
     architecture = model_config(config.model, tokenizer, job.seq_len)
     model = (job.build_model or meta_model)(architecture)
-    if config.parallel.tensor > 1 and config.model.init_from is not None:
-        # The engine reads no checkpoint slices under tensor slicing yet: the model is loaded whole first.
-        # (A meta model without init_from is cut in shape and initialized slice by slice by the engine.)
-        model = whole_pretrained(model, config.model.init_from)
     if config.model.activation_checkpointing.enabled:  # before the engine hooks the blocks
         enable_activation_checkpointing(model)
     optimizer = build_optimizer(model, config.optimizer)
@@ -130,10 +126,9 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
         model,
         optimizer,
         init_seed=train_section.seed,
-        # the default model is built on the meta device: each rank reads its shards of init_from
-        pretrained=config.model.init_from
-        if job.build_model is None and config.parallel.tensor == 1
-        else None,
+        # the default model is built on the meta device: each rank reads its shards of init_from (of its
+        # pipeline stages' layers and its tensor slices only, under those)
+        pretrained=config.model.init_from if job.build_model is None else None,
     )
     run = Run(
         config,
@@ -166,6 +161,8 @@ def train_step(run: Run, batches: Iterator[dict[str, torch.Tensor]], step: int) 
     """Optimizer step `step + 1`: `train.gradient_accumulation_steps` micro-batches from `batches`, one
     reduction of the loss and token count, the step (or, with a non-finite mean loss, the
     `train.on_nonfinite_loss` policy), the schedule; returns the step's metrics."""
+    if run.engine.pipeline is not None:
+        return _pipeline_train_step(run, batches, step)
     accelerator, train_section = run.accelerator, run.config.train
     accumulation = train_section.gradient_accumulation_steps
     offload = run.config.model.activation_checkpointing.cpu_offload
@@ -194,6 +191,82 @@ def train_step(run: Run, batches: Iterator[dict[str, torch.Tensor]], step: int) 
             run.optimizer.zero_grad()  # a skipped step's gradients are dropped here
     if finite:
         run.scheduler.step()
+    return _step_metrics(run, mean_loss, step_tokens, started)
+
+
+def _pipeline_train_step(run: Run, batches: Iterator[dict[str, torch.Tensor]], step: int) -> dict[str, float]:
+    """`train_step` under pipeline stages: a forward and backward cannot run on one rank's stages alone,
+    so the step's micro-batches go to `engine.train_batch`, which runs them through the 1F1B schedule and
+    steps once (see [Note: pipeline schedule under ZeRO] in sharding/pipeline.py)."""
+    accelerator = run.accelerator
+    started = time.perf_counter()
+    loaded = [next(batches) for _ in range(run.config.train.gradient_accumulation_steps)]
+    micro_batches = pipeline_micro_batches(loaded, run.engine.parallel.dims.pipeline)
+    # The mean over micro-batches and data replicas, the same on every rank: all take the same decision.
+    mean_loss = run.engine.train_batch(micro_batches).item()
+    tokens = torch.tensor(
+        float(sum(batch["input_ids"].numel() for batch in micro_batches)), device=accelerator.device
+    )
+    # every data replica's tokens once (the ranks of a pipeline and tensor group read the same ones)
+    step_tokens = (
+        accelerator.reduce(tokens, "sum").item() * accelerator.data_parallel_size / accelerator.num_processes
+    )
+    if math.isfinite(mean_loss):
+        run.scheduler.step()
+    else:
+        run.nonfinite_steps += 1
+        _handle_nonfinite_loss(run, step + 1, mean_loss)  # "stop" raises
+        if not run.engine.step_was_skipped:
+            # train_batch stepped before the loss was known here: "skip" relies on the gradient norm, which a
+            # non-finite loss makes non-finite, to have held the update back.
+            raise NonFiniteLossError(
+                f"step {step + 1}: the mean loss is {mean_loss} but the engine applied the update (its gradient "
+                "norm was finite): train.on_nonfinite_loss=skip cannot undo it under pipeline stages"
+            )
+    return _step_metrics(run, mean_loss, step_tokens, started)
+
+
+def pipeline_micro_batches(
+    batches: list[dict[str, torch.Tensor]], pipeline: int
+) -> list[dict[str, torch.Tensor]]:
+    """`batches` as the micro-batches of one pipeline schedule (`pipeline_inputs`). The 1F1B schedule needs
+    at least as many micro-batches as pipeline ranks: fewer batches are cut along their rows into equal
+    parts until there are (more accumulation steps, not cuts, are what shrink the pipeline's idle time)."""
+    parts = -(-pipeline // len(batches))  # ceil
+    rows = len(batches[0]["input_ids"])
+    if rows % parts:
+        raise ValueError(
+            f"pipeline {pipeline} needs {pipeline} micro-batches per step; {len(batches)} batch(es) of {rows} rows "
+            f"cannot be cut into {parts} equal parts each: make train.micro_batch_size a multiple of {parts}, or "
+            f"train.gradient_accumulation_steps at least {pipeline}"
+        )
+    inputs = [pipeline_inputs(batch) for batch in batches]
+    # Row by row; position ids given once for every row (batch dimension 1) go to every part as they are.
+    return [
+        {key: value.chunk(parts)[part] if len(value) == rows else value for key, value in batch.items()}
+        for batch in inputs
+        for part in range(parts)
+    ]
+
+
+def pipeline_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`batch` as pipeline stages take it: input_ids, labels and position_ids pass hidden states only, so an
+    attention mask is dropped when it masks nothing and is an error otherwise (other keys are left for the
+    engine to name)."""
+    batch = dict(batch)
+    mask = batch.pop("attention_mask", None)
+    if mask is not None and not bool(mask.all()):
+        raise ValueError(
+            "under pipeline stages a batch cannot carry padding through an attention_mask (the stages pass "
+            f"hidden states only; this one masks {int((mask == 0).sum())} of {mask.numel()} positions): pack the "
+            "sequences, or train without parallel.pipeline"
+        )
+    return batch
+
+
+def _step_metrics(run: Run, mean_loss: float, step_tokens: float, started: float) -> dict[str, float]:
+    """The step's loss, learning rate, throughput (and MFU with a known peak), gradient norm and memory."""
+    accelerator = run.accelerator
     tokens_per_second = step_tokens / (time.perf_counter() - started)
     metrics = {
         "loss": mean_loss,
@@ -229,7 +302,7 @@ def train(config: TrainingConfig, job: TrainingJob, resume: str | None = None) -
     cadences), then save the model; returns the losses, the model's directory and the evaluation."""
     run = build_run(config, job, resume)
     evaluation: dict[str, Any] = {}
-    if job.final_evaluation is not None and job.evaluate_before and run.start_step == 0:
+    if job.evaluate_before and run.start_step == 0 and _runs_final_evaluation(run, "before"):
         evaluation["before"] = job.final_evaluation(run.engine, run.tokenizer, run.accelerator)
     progress = tqdm(
         total=config.train.max_steps,
@@ -249,9 +322,25 @@ def train(config: TrainingConfig, job: TrainingJob, resume: str | None = None) -
             progress.set_postfix({k: f"{v:.3g}" for k, v in metrics.items()}, refresh=False)
         _after_step(run, step + 1, progress)
     progress.close()
-    if job.final_evaluation is not None and job.evaluate_after:
+    if job.evaluate_after and _runs_final_evaluation(run, "after"):
         evaluation["after"] = job.final_evaluation(run.engine, run.tokenizer, run.accelerator)
     return _finish(run, evaluation)
+
+
+def _runs_final_evaluation(run: Run, when: str) -> bool:
+    """Whether the job's final evaluation runs: it generates with the whole model, which no rank holds
+    under pipeline stages, so there it is skipped with a log line (the saved model can be evaluated)."""
+    if run.job.final_evaluation is None:
+        return False
+    if run.engine.pipeline is None:
+        return True
+    logger.warning(
+        "the evaluation %s training runs the whole model, which pipeline stages split across ranks: skipped "
+        "(evaluate the saved model, %s, with scripts/evaluate.py)",
+        when,
+        run.output / "model",
+    )
+    return False
 
 
 def _after_step(run: Run, step: int, progress: tqdm) -> None:

@@ -8,6 +8,8 @@ memmaps), else the embedded default corpus; the validation perplexity reads `dat
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Iterable
 from typing import Any
 
 from tnlg.data.corpus import embedded_corpus
@@ -16,29 +18,49 @@ from tnlg.data.sources import SourceConfig
 from tnlg.data.stream import StreamConfig, TokenStream
 from tnlg.eval.perplexity import batch_perplexity
 from tnlg.run.config import DataSection, RunConfig
-from tnlg.run.loop import TrainingJob, train
+from tnlg.run.loop import TrainingJob, pipeline_micro_batches, train
+from tnlg.sharding import ZeroEngine
 
 
 def pretrain(config: RunConfig, resume: str | None = None) -> dict[str, Any]:
     """Train per `config`; returns the losses logged (main process) and where the model was saved."""
-
-    def evaluate(model, tokenizer, accelerator) -> dict[str, float]:
-        settings = stream_config(config.data, config.train.seed, "validation")
-        if settings is None:
-            return {}
-        # by data rank: the ranks of one tensor group evaluate the same batches together
-        rank, world = accelerator.data_parallel_rank, accelerator.data_parallel_size
-        stream = TokenStream(settings, tokenizer, config.train.micro_batch_size, rank, world)
-        return {"eval_perplexity": batch_perplexity(model, stream, config.train.eval_batches, accelerator)}
-
     job = TrainingJob(
         name="pretraining",
         seq_len=config.data.seq_len,
         tokenizer=config.data.tokenizer,
         batches=lambda tokenizer, rank, world: training_stream(config, tokenizer, rank, world),
-        evaluate=evaluate,
+        evaluate=lambda model, tokenizer, accelerator: evaluate(config, model, tokenizer, accelerator),
     )
     return train(config, job, resume)
+
+
+def evaluate(config: RunConfig, engine: ZeroEngine, tokenizer, accelerator) -> dict[str, float]:
+    """The validation perplexity over `train.eval_batches` batches per data replica (none without
+    validation sources); the ranks of one tensor group and pipeline read the same batches."""
+    settings = stream_config(config.data, config.train.seed, "validation")
+    if settings is None:
+        return {}
+    rank, world = accelerator.data_parallel_rank, accelerator.data_parallel_size
+    stream = TokenStream(settings, tokenizer, config.train.micro_batch_size, rank, world)
+    if engine.pipeline is not None:
+        return {"eval_perplexity": pipeline_perplexity(engine, stream, config.train.eval_batches)}
+    return {"eval_perplexity": batch_perplexity(engine, stream, config.train.eval_batches, accelerator)}
+
+
+def pipeline_perplexity(engine: ZeroEngine, batches: Iterable[dict], max_batches: int) -> float:
+    """`batch_perplexity` under pipeline stages, where no rank can run the whole model: the first
+    `max_batches` batches go through the stages as the micro-batches of one forward-only schedule
+    (`engine.eval_batch`, whose mean loss is over the batches and the data replicas)."""
+    loaded = [batch for batch, _ in zip(batches, range(max_batches), strict=False)]
+    if not loaded:  # every rank reads the same validation sources: all of them stop here together
+        raise ValueError("the validation sources yielded no batch to evaluate (train.eval_batches > 0)")
+    micro_batches = pipeline_micro_batches(loaded, engine.parallel.dims.pipeline)
+    engine.eval()
+    try:
+        loss = engine.eval_batch(micro_batches)
+    finally:
+        engine.train()
+    return math.exp(loss.item())
 
 
 def stream_config(data: DataSection, seed: int, split: str) -> StreamConfig | None:
