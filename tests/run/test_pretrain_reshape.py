@@ -80,3 +80,15 @@ def test_a_tensor_sliced_run_resumes_without_slicing_on_its_data_replicas(cache,
     assert "saved by 4 processes and resumes on 2" in result.stderr
     assert "continues from each data replica's position" in result.stderr
     assert _losses(tmp_path / "plain") == pytest.approx(uninterrupted, rel=1e-5)
+
+
+def test_a_pipeline_run_resumes_tensor_sliced_on_its_data_replicas(cache, tmp_path):
+    # Pipeline 2 x data 2 (its layers in 2 stages) resumes as tensor 2 x data 2 (every layer cut in 2), on
+    # the same data replicas: the engine maps every parameter across the layouts, the runs their data
+    # positions, and the losses continue as the uninterrupted run's.
+    _launch(tmp_path / "staged", cache, 4, "--parallel.pipeline", "2", "--train.eval_every", "0")
+    uninterrupted = _losses(tmp_path / "staged")
+    checkpoint = tmp_path / "staged" / "checkpoints" / "step-00000004"
+    overrides = ["--parallel.tensor", "2", "--train.eval_every", "0", "--resume", str(checkpoint)]
+    _launch(tmp_path / "sliced", cache, 4, *overrides)
+    assert _losses(tmp_path / "sliced") == pytest.approx(uninterrupted, rel=1e-5)
