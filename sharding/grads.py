@@ -173,14 +173,7 @@ class GradientReducer:
         if self._closed:  # closed while this backward ran (an error between its start and end)
             return
         if self.reducing:
-            for g, group in enumerate(self.groups):
-                for unit in group.layout.units:
-                    if (g, unit.index) not in self._reduced:
-                        self._reduce(g, unit)
-            while self._in_flight:
-                self._complete_oldest()
-            for group in self.groups:
-                group.settle_gradients()
+            self._reduce_remaining()
         self._reset()
         self._backward_active = False
         for group in self.groups:
@@ -253,14 +246,19 @@ class GradientReducer:
         what the last backward would have done."""
         if self.stage >= 2:
             raise RuntimeError("reduce_accumulated is for stages 0-1; stages 2-3 reduce in every backward")
+        self._reduce_remaining()  # every unit: no backward reduced any since the last reset
+        self._reset()
+
+    def _reduce_remaining(self) -> None:
+        """Reduce every unit not reduced yet since the last reset, and wait for all of them."""
         for g, group in enumerate(self.groups):
             for unit in group.layout.units:
-                self._reduce(g, unit)
+                if (g, unit.index) not in self._reduced:
+                    self._reduce(g, unit)
         while self._in_flight:
             self._complete_oldest()
         for group in self.groups:
             group.settle_gradients()
-        self._reset()
 
     def flush(self) -> None:
         """Reduce everything now (a backward that ran without hooks firing still ends consistently)."""

@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from tests.support.tensor_parallel_cases import VOCAB
 from tests.support.tensor_parallel_cases import make_model as make_tnlg
+from tests.support.traffic import counted_traffic, unit_sizes
 from tests.support.zero_cases import SMALL, STEPS
 from tests.support.zero_models import batches, local, make_model, make_optimizer
 from tnlg.sharding import ParallelDims, ZeroConfig, initialize
@@ -192,8 +193,6 @@ def step_traffic(rank: int, world_size: int, stage: int) -> dict:
     """Bytes one train_batch step moves, counted where the engine and the tensor region call into
     torch.distributed, by collective and group (tensor 2 x data 2, fp32, one micro-batch of 2 sequences);
     and the sizes the analytic volumes need."""
-    from tnlg.sharding import collectives
-
     model = make_tnlg()
     config = ZeroConfig(stage=stage, reduce_bucket_size=500, param_persistence_threshold=40)
     engine = initialize(model, tnlg_optimizer(model), config, parallel=ParallelDims(tensor=2))
@@ -201,43 +200,10 @@ def step_traffic(rank: int, world_size: int, stage: int) -> dict:
     share = slice(2 * engine.parallel.rank("data"), 2 * engine.parallel.rank("data") + 2)
     micro = [{"input_ids": ids[share], "labels": labels[share]}]
     engine.train_batch(micro)  # warm-up: nothing left to build in the counted step
-    groups = {id(engine.parallel.group("tensor")): "tensor", id(engine.parallel.group("data")): "data"}
-    counted: dict[str, int] = {}
-
-    def counting(kind: str, original, size_of):
-        def call(*args, **kwargs):
-            group = kwargs.get("group")
-            key = f"{kind}/{groups.get(id(group), 'other')}"
-            counted[key] = counted.get(key, 0) + size_of(*args)
-            return original(*args, **kwargs)
-
-        return call
-
-    def nbytes(tensor):
-        return tensor.numel() * tensor.element_size()
-
-    patches = [
-        (dist, "all_reduce", lambda tensor, *rest: nbytes(tensor)),
-        (collectives, "_all_gather", lambda output, *rest: nbytes(output)),
-        (collectives, "_reduce_scatter", lambda output, full, *rest: nbytes(full)),
-        (dist, "broadcast", lambda tensor, *rest: nbytes(tensor)),
-    ]
-    originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
-    for (module, name, size_of), (_, _, original) in zip(patches, originals, strict=True):
-        setattr(module, name, counting(name.strip("_"), original, size_of))
-    try:
+    names = {id(engine.parallel.group("tensor")): "tensor", id(engine.parallel.group("data")): "data"}
+    with counted_traffic(names) as counted:
         engine.train_batch(micro)
-    finally:
-        for module, name, original in originals:
-            setattr(module, name, original)
-    units = {"block": 0, "root": 0, "persistent": 0, "full": 0}
-    root_index = len(engine.scheduler.blocks) - 1 if engine.scheduler else None
-    for group in engine.groups:
-        units["full"] += group.layout.full_numel
-        for unit in group.layout.units:
-            block = group.unit_blocks[unit.index]
-            kind = "persistent" if block is None else ("root" if block == root_index else "block")
-            units[kind] += unit.numel
+    units = unit_sizes(engine)
     engine.close()
     return {"bytes": counted, "units": units, "tokens": ids[share].numel()}
 

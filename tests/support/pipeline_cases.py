@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch.distributed.pipelining import schedules
 
 from tests.support.parallel_cases import tnlg_batches, tnlg_optimizer
 from tests.support.tensor_parallel_cases import make_model as make_tnlg
+from tests.support.traffic import counted_traffic, unit_sizes
 from tnlg.sharding import ParallelDims, ZeroConfig, initialize
 
 SMALL_UNITS = {"reduce_bucket_size": 500, "param_persistence_threshold": 40}
@@ -61,27 +60,10 @@ def pipeline_refusals(rank: int, world_size: int) -> list[str]:
     return messages
 
 
-def unit_sizes(engine) -> dict[str, int]:
-    """Elements of this rank's units by kind (stage 3 blocks, the root block, persistent ones), all of
-    them, and this rank's piece of the shared (tied) parameters."""
-    units = {"block": 0, "root": 0, "persistent": 0, "full": 0, "shared_piece": 0}
-    root_index = len(engine.scheduler.blocks) - 1 if engine.scheduler else None
-    for group in engine.groups:
-        units["full"] += group.layout.full_numel
-        for unit in group.layout.units:
-            block = group.unit_blocks[unit.index]
-            kind = "persistent" if block is None else ("root" if block == root_index else "block")
-            units[kind] += unit.numel
-    for name in engine.pipeline.shared:
-        units["shared_piece"] += engine.parameter_unit(name)[1].piece
-    return units
-
-
 def pipeline_traffic(rank: int, world_size: int, stage: int) -> dict:
     """Bytes one train_batch step moves at pipeline 2 x data 2 (fp32, 2 micro-batches of one sequence),
     counted where the engine and torch's schedule call into torch.distributed, by kind and group; and the
     sizes the analytic volumes need."""
-    from tnlg.sharding import collectives
 
     model = make_tnlg()
     engine = initialize(
@@ -93,56 +75,10 @@ def pipeline_traffic(rank: int, world_size: int, stage: int) -> dict:
     ids, labels = tnlg_batches(1)[0]
     micro = data_share(engine, ids, labels)
     engine.train_batch(micro)  # warm-up: nothing left to build in the counted step
-    groups = {id(engine.parallel.group(d)): d for d in ("pipeline", "data", "tensor")}
-    groups.update({id(group): "shared" for group in engine.pipeline.shared.values()})
-    counted: dict[str, int] = {}
-
-    def nbytes(tensor: torch.Tensor) -> int:
-        return tensor.numel() * tensor.element_size()
-
-    def count(kind: str, group, size: int) -> None:
-        key = f"{kind}/{groups.get(id(group), 'other')}"
-        counted[key] = counted.get(key, 0) + size
-
-    def counting(kind, original, size_of):
-        def call(*args, **kwargs):
-            count(kind, kwargs.get("group"), size_of(*args))
-            return original(*args, **kwargs)
-
-        return call
-
-    def counting_p2p(original):
-        def call(ops, *args, **kwargs):
-            for op in ops:
-                if op.op is dist.isend:  # each message once, at its sender
-                    count("send", op.group, nbytes(op.tensor))
-            return original(ops, *args, **kwargs)
-
-        return call
-
-    patches = [
-        (dist, "all_reduce", counting("all_reduce", dist.all_reduce, lambda t, *r: nbytes(t))),
-        (dist, "broadcast", counting("broadcast", dist.broadcast, lambda t, *r: nbytes(t))),
-        (
-            collectives,
-            "_all_gather",
-            counting("all_gather", collectives._all_gather, lambda o, *r: nbytes(o)),
-        ),
-        (
-            collectives,
-            "_reduce_scatter",
-            counting("reduce_scatter", collectives._reduce_scatter, lambda o, f, *r: nbytes(f)),
-        ),
-        (schedules, "_batch_p2p", counting_p2p(schedules._batch_p2p)),
-    ]
-    originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
-    for module, name, patched in patches:
-        setattr(module, name, patched)
-    try:
+    names = {id(engine.parallel.group(d)): d for d in ("pipeline", "data", "tensor")}
+    names.update({id(group): "shared" for group in engine.pipeline.shared.values()})
+    with counted_traffic(names) as counted:
         engine.train_batch(micro)
-    finally:
-        for module, name, original in originals:
-            setattr(module, name, original)
     result = {
         "bytes": counted,
         "units": unit_sizes(engine),
