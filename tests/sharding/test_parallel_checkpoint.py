@@ -164,10 +164,15 @@ def _damaged(directory: Path, tmp_path: Path, damage: str) -> Path:
         manifest["global_steps"] += 1
         (part / "manifest.json").write_text(json.dumps(manifest))
     elif damage == "damaged top manifest":
-        manifest = json.loads((copy / "manifest.json").read_text())
-        manifest["parts"] = manifest["parts"][:1]
-        (copy / "manifest.json").write_text(json.dumps(manifest))
+        _list_first_part_only(copy)
     return copy
+
+
+def _list_first_part_only(directory: Path) -> None:
+    """Damage: the top manifest lists only its first part."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["parts"] = manifest["parts"][:1]
+    (directory / "manifest.json").write_text(json.dumps(manifest))
 
 
 @pytest.mark.slow
@@ -303,9 +308,7 @@ def _without_stage_one(directory: Path, tmp_path: Path, damage: str) -> Path:
     if damage == "missing part":
         shutil.rmtree(copy / "pipeline-01-tensor-00")
     else:  # the top manifest lists stage 0's part only
-        manifest = json.loads((copy / "manifest.json").read_text())
-        manifest["parts"] = manifest["parts"][:1]
-        (copy / "manifest.json").write_text(json.dumps(manifest))
+        _list_first_part_only(copy)
     return copy
 
 
