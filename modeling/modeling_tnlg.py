@@ -327,7 +327,7 @@ def _check_tensor_parallel_load(path: str | os.PathLike | None, kwargs: dict[str
     config.check_tensor_parallel(degree)
 
 
-def _has_dropout(config: TNLGConfig) -> bool:
+def has_dropout(config: TNLGConfig) -> bool:
     return any((config.embedding_dropout, config.attention_dropout, config.hidden_dropout))
 
 
@@ -374,7 +374,7 @@ class TNLGModel(TNLGPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("TNLGModel.forward needs exactly one of input_ids or inputs_embeds")
         tp_group = tensor_parallel.tensor_group(self.embed_tokens)
-        if self.training and tp_group is not None and _has_dropout(self.config):
+        if self.training and tp_group is not None and has_dropout(self.config):
             # [Note: dropout under tensor slicing] in tensor_parallel.py
             tensor_parallel.check_rng_in_sync(self.embed_tokens, self.embed_tokens.weight.device)
         if inputs_embeds is None:

@@ -34,6 +34,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 
 from . import tensor_parallel
+from .modeling_tnlg import has_dropout
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -89,6 +90,8 @@ class PipelineSplit:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     shared: dict[str, list[int]]
     layers: list[range]
+    hidden_size: int  # what the stages send each other: (batch, length, hidden_size)
+    max_positions: int  # the longest sequence they take
 
 
 class TNLGPipelineStage(nn.Module):
@@ -107,6 +110,28 @@ class TNLGPipelineStage(nn.Module):
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
 
+    @property
+    def checks_before_schedule(self) -> bool:
+        """Whether `schedule_problem` checks anything: training with dropout under tensor slicing, where
+        the tensor ranks' generators must agree (the same on every rank of a job)."""
+        sliced = tensor_parallel.tensor_group(self._sliced_module()) is not None
+        return self.causal_lm.training and sliced and has_dropout(self.causal_lm.config)
+
+    def schedule_problem(self) -> str | None:
+        """Why this stage cannot run a training schedule now, or None: its tensor group's default
+        generators out of step ([Note: dropout under tensor slicing] in tensor_parallel.py). Collective
+        over the tensor group; the caller agrees on the verdict with the other stages."""
+        module = self._sliced_module()
+        try:
+            tensor_parallel.check_rng_in_sync(module, next(module.parameters()).device)
+        except ValueError as error:
+            return f"pipeline stage {self.index}: {error}"
+        return None
+
+    def _sliced_module(self) -> nn.Module:
+        """A module of this stage that tensor slicing cuts (its first layer's QKV projection)."""
+        return self.causal_lm.model.layers[self.layers[0]].self_attn.qkv_proj
+
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         model = self.causal_lm.model
         config = model.config
@@ -114,10 +139,6 @@ class TNLGPipelineStage(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(length, device=inputs.device).unsqueeze(0)  # (1, T)
         if self.is_first:
-            sliced = tensor_parallel.tensor_group(model.embed_tokens) is not None
-            if model.training and sliced and _has_dropout(config):
-                # [Note: dropout under tensor slicing] in tensor_parallel.py
-                tensor_parallel.check_rng_in_sync(model.embed_tokens, inputs.device)
             hidden = model.embed_tokens(inputs) + model.embed_positions(position_ids)
             hidden = model.embed_dropout(hidden)  # (B, T, H)
         else:
@@ -134,10 +155,6 @@ class TNLGPipelineStage(nn.Module):
         if self.is_last:
             hidden = model.final_layernorm(hidden)
         return hidden
-
-
-def _has_dropout(config) -> bool:
-    return bool(config.embedding_dropout or config.hidden_dropout or config.attention_dropout)
 
 
 def split_pipeline(model: nn.Module, stages: Sequence[int], num_stages: int) -> PipelineSplit:
@@ -172,7 +189,17 @@ def split_pipeline(model: nn.Module, stages: Sequence[int], num_stages: int) -> 
         model.lm_head = DroppedModule("lm_head", [num_stages - 1])
     shared = {"model.embed_tokens.weight": [0, num_stages - 1]} if tied and num_stages > 1 else {}
     modules = [TNLGPipelineStage(model, s, num_stages, layers[s]) for s in stages]
-    split = PipelineSplit(modules, stages, num_stages, model.pipeline_loss, shared, layers)
+    config = model.config
+    split = PipelineSplit(
+        modules,
+        stages,
+        num_stages,
+        model.pipeline_loss,
+        shared,
+        layers,
+        config.hidden_size,
+        config.max_position_embeddings,
+    )
     model._tnlg_pipeline_split = split
     return split
 

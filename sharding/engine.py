@@ -102,14 +102,14 @@ class ZeroEngine(nn.Module):
         if self.parallel is not None:
             process_group = self.parallel.data
         optimizer = engine_optimizer(settings, module, optimizer)
-        if model_plan.pipeline is not None and optimizer is not None:
-            keep_stage_parameters(optimizer, module)
-        shared = shared_parameter_groups(self.parallel, model_plan.pipeline) if model_plan.pipeline else {}
-        self.pipeline = (
-            PipelineRunner(model_plan.pipeline, self.parallel, shared, module.config.hidden_size)
-            if model_plan.pipeline is not None
-            else None
-        )
+        self.pipeline = None
+        shared = {}
+        if model_plan.pipeline is not None:
+            if optimizer is not None:
+                keep_stage_parameters(optimizer, model_plan.dropped)
+            trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+            shared = shared_parameter_groups(self.parallel, model_plan.pipeline, trainable)
+            self.pipeline = PipelineRunner(model_plan.pipeline, self.parallel, shared)
         self.collectives = Collectives(process_group, CommStats())
         self.batch_sizes = settings.batch_sizes(self.collectives.world_size)  # checked before any work
         plan = plan_sharding(module, optimizer, self.config, own_units=set(shared))
@@ -183,11 +183,17 @@ class ZeroEngine(nn.Module):
 
     def eval_batch(self, micro_batches: Sequence[Any]) -> torch.Tensor:
         """The mean loss over `micro_batches` (as `train_batch` takes them) and the data-parallel ranks,
-        forward only: through the pipeline schedule with pipeline stages, else micro-batch by micro-batch."""
+        forward only, in eval mode: through the pipeline schedule with pipeline stages, else micro-batch by
+        micro-batch."""
         self._require_open("eval_batch")
-        if self.pipeline is not None:
-            return self.pipeline.eval_batch(self, micro_batches)
-        return eval_batch(self, micro_batches)
+        training = self.module.training
+        self.module.eval()  # no dropout, as for any evaluation; the mode is restored after
+        try:
+            if self.pipeline is not None:
+                return self.pipeline.eval_batch(self, micro_batches)
+            return eval_batch(self, micro_batches)
+        finally:
+            self.module.train(training)
 
     def _require_optimizer(self, action: str) -> None:
         self._require_open(action)
@@ -345,9 +351,7 @@ class ZeroEngine(nn.Module):
             if rank0_only and self.parallel.rank("tensor") != 0:
                 return {}
         if self.pipeline is not None:
-            result = self._all_stages(result)
-            if rank0_only and self.parallel.rank("pipeline") != 0:
-                return {}
+            result = self._all_stages(result, rank0_only)
         return result
 
     def _gathered_master(self, keep: bool) -> dict[int, torch.Tensor]:
@@ -378,11 +382,20 @@ class ZeroEngine(nn.Module):
         whole = gather_tensor_slices(local, self.tensor_slices, self.parallel.tensor, self.groups[0].device)
         return {key: whole.get(keys[key], value) for key, value in state.items()}
 
-    def _all_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _all_stages(self, state: dict[str, torch.Tensor], rank0_only: bool) -> dict[str, torch.Tensor]:
         """Every pipeline stage's `state` merged (a tied embedding, on two stages, has the same value on
-        both). Collective over the pipeline group."""
+        both), on pipeline rank 0 only with `rank0_only` (the others get {}). Collective over the
+        pipeline group."""
+        group = self.parallel.pipeline
         stages = [{}] * self.parallel.dims.pipeline
-        dist.all_gather_object(stages, state, group=self.parallel.pipeline)
+        if rank0_only:
+            first = dist.get_global_rank(group, 0)
+            receiving = dist.get_rank() == first
+            dist.gather_object(state, stages if receiving else None, dst=first, group=group)
+            if not receiving:
+                return {}
+        else:
+            dist.all_gather_object(stages, state, group=group)
         return {key: value for stage in stages for key, value in stage.items()}
 
     # ------------------------------------------------------------------ checkpoints (EngineState)

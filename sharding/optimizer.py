@@ -284,11 +284,15 @@ class ModelParallelNorm:
         """What the sum over `reductions` of this rank's squares counts more than once (fp64)."""
         excess = torch.zeros((), dtype=torch.float64, device=groups[0].device)
         for flat, fractions in zip(groups, self.counted, strict=True):
-            for index, fraction in fractions.items():
-                view = flat.owned_gradient(index)
-                if view is not None and view.numel():  # offloaded shards are on the host: one scalar moves
-                    squares = squared_norm(view).to(excess.device) / flat.grad_divisor**2
-                    excess += squares * (1 - fraction)
+            owned = [
+                (view, 1 - fraction)
+                for index, fraction in fractions.items()
+                if (view := flat.owned_gradient(index)) is not None and view.numel()
+            ]
+            if owned:  # one reduction per group; offloaded shards are on the host: one scalar moves
+                squares = torch.stack([squared_norm(view) for view, _ in owned])
+                weights = torch.tensor([w for _, w in owned], dtype=squares.dtype, device=squares.device)
+                excess += (squares * weights).sum().to(excess.device) / flat.grad_divisor**2
         return excess
 
 

@@ -18,7 +18,7 @@ that hold that slice, which are its data group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -158,6 +158,7 @@ class ModelPlan:
 
     tensor_slices: dict[str, TensorSlice]
     pipeline: PipelineSplit | None = None
+    dropped: set[int] = field(default_factory=set)  # ids of the parameters other pipeline stages hold
 
 
 def apply_model_plan(module: nn.Module, groups: ParallelGroups) -> ModelPlan:
@@ -169,26 +170,31 @@ def apply_model_plan(module: nn.Module, groups: ParallelGroups) -> ModelPlan:
     from tnlg.modeling.tensor_parallel import apply_tensor_parallel
 
     dims = groups.dims
-    split = None
+    split, dropped = None, set()
     if dims.pipeline > 1:
+        whole = {id(p) for p in module.parameters()}
         stages = rank_stages(groups.rank("pipeline"), dims.pipeline, dims.virtual_stages)
         split = split_pipeline(module, stages, dims.num_stages)
+        dropped = whole - {id(p) for p in module.parameters()}
     slices = apply_tensor_parallel(module, groups.tensor) if dims.tensor > 1 else {}
-    return ModelPlan(slices, split)
+    return ModelPlan(slices, split, dropped)
 
 
-def shared_parameter_groups(groups: ParallelGroups, split: PipelineSplit) -> dict[str, dist.ProcessGroup]:
-    """{parameter name: the process group of the pipeline ranks holding it} for this rank's parameters
-    that more than one pipeline rank holds (the tied embedding on the first and last stage), one group
-    per (data, tensor) coordinate. Collective: every rank creates every group, in the same order."""
+def shared_parameter_groups(
+    groups: ParallelGroups, split: PipelineSplit, trainable: set[str]
+) -> dict[str, dist.ProcessGroup]:
+    """{parameter name: the process group of the pipeline ranks holding it} for this rank's trainable
+    parameters that more than one pipeline rank holds (the tied embedding on the first and last stage,
+    which never share a rank), one group per (data, tensor) coordinate. A frozen one needs no gradient
+    sum. Collective: every rank creates every group, in the same order (`requires_grad` is alike on all)."""
     degree = groups.dims.pipeline
     ranks = groups.mesh.mesh.reshape(degree, -1)  # (pipeline, data x tensor): global ranks
     me = dist.get_rank()
     result = {}
     for name, stages in sorted(split.shared.items()):
-        holders = sorted({stage % degree for stage in stages})
-        if len(holders) < 2:
+        if name not in trainable:
             continue
+        holders = sorted({stage % degree for stage in stages})
         for column in range(ranks.shape[1]):
             members = [int(ranks[row, column]) for row in holders]
             group = dist.new_group(members)

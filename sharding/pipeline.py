@@ -52,13 +52,14 @@ class PipelineRunner:
         split: PipelineSplit,
         groups: ParallelGroups,
         shared: dict[str, dist.ProcessGroup],
-        hidden_size: int,
     ):
         self.split = split
         self.groups = groups
-        self.shared = shared  # {parameter name: the pipeline ranks holding it}
-        self.hidden_size = hidden_size
-        self._schedules: dict[tuple, tuple[Any, list[torch.Tensor]]] = {}
+        self.shared = shared  # {trainable parameter name: the group of the pipeline ranks holding it}
+        # The schedule of the last (micro-batch count, shape): one only, since each holds its stages'
+        # receive buffers (a new shape replaces it).
+        self._schedule_key: tuple | None = None
+        self._cached: tuple[Any, list[torch.Tensor], list[PipelineStage]] | None = None
 
     @property
     def holds_first(self) -> bool:
@@ -70,7 +71,7 @@ class PipelineRunner:
 
     def train_batch(self, engine: ZeroEngine, micro_batches: Sequence[Any]) -> torch.Tensor:
         """One step over `micro_batches` (see [Note: pipeline schedule under ZeRO])."""
-        inputs, labels, positions = _stack(micro_batches)
+        inputs, labels, positions = _stack(micro_batches, "train_batch", self.split.max_positions)
         count = len(micro_batches)
         if engine.gradient_accumulation_steps() != 1:
             raise ValueError(
@@ -78,33 +79,61 @@ class PipelineRunner:
                 f"engine's config accumulates {engine.gradient_accumulation_steps()}: set it to 1"
             )
         device = engine.groups[0].device
-        schedule, losses = self._schedule(engine, count, tuple(inputs.shape), positions is not None, device)
-        losses.clear()
+        self._check_stages(device)
+        schedule, losses, stages = self._schedule(
+            engine, count, tuple(inputs.shape), positions is not None, device
+        )
         kwargs = {"position_ids": positions.to(device)} if positions is not None else {}
         no_sync = engine.no_sync() if engine.config.stage <= 1 else contextlib.nullcontext()
         hold = engine.scheduler.hold_root() if engine.scheduler is not None else contextlib.nullcontext()
-        with no_sync, hold:
-            schedule.step(inputs.to(device), target=labels.to(device), **kwargs)
+        before = len(engine.reducer.backward_passes)
+        try:
+            with no_sync, hold:
+                schedule.step(inputs.to(device), target=labels.to(device), **kwargs)
+        finally:
+            self._release(stages)
         if engine.config.stage <= 1:
             engine.reducer.reduce_accumulated()
         self._sum_shared_gradients(engine, device)
-        # The loss function scaled every backward the schedule ran (fp16): the step may unscale them.
-        engine._engine_backwards = len(engine.reducer.backward_passes)
+        # The loss function scaled the backwards the schedule ran (fp16), as engine.backward would have;
+        # a backward run outside the engine before this call is still caught by the step.
+        engine._engine_backwards += len(engine.reducer.backward_passes) - before
         engine.step()
         return self._mean_loss(losses, count, device)
 
     def eval_batch(self, engine: ZeroEngine, micro_batches: Sequence[Any]) -> torch.Tensor:
         """The mean loss over `micro_batches` and data replicas, forward only (no graph is kept)."""
-        inputs, labels, positions = _stack(micro_batches)
+        inputs, labels, positions = _stack(micro_batches, "eval_batch", self.split.max_positions)
         count = len(micro_batches)
         device = engine.groups[0].device
-        schedule, losses = self._schedule(engine, count, tuple(inputs.shape), positions is not None, device)
-        losses.clear()
+        schedule, losses, stages = self._schedule(
+            engine, count, tuple(inputs.shape), positions is not None, device
+        )
         kwargs = {"position_ids": positions.to(device)} if positions is not None else {}
         hold = engine.scheduler.hold_root() if engine.scheduler is not None else contextlib.nullcontext()
-        with torch.no_grad(), hold:
-            schedule.eval(inputs.to(device), target=labels.to(device), **kwargs)
+        try:
+            with torch.no_grad(), hold:
+                schedule.eval(inputs.to(device), target=labels.to(device), **kwargs)
+        finally:
+            self._release(stages)
         return self._mean_loss(losses, count, device)
+
+    def _check_stages(self, device: torch.device) -> None:
+        """Each stage module's own check before a training schedule (`schedule_problem`: e.g. the dropout
+        RNG of a tensor group), agreed over the world: a problem on one rank raises on every rank, rather
+        than leaving the other stages waiting for activations that never come. The stages say alike on
+        every rank whether they check (`checks_before_schedule`), so the agreement costs nothing when
+        none does."""
+        checking = [m for m in self.split.stages if getattr(m, "checks_before_schedule", False)]
+        if not checking:
+            return
+        problems = [problem for m in checking if (problem := m.schedule_problem()) is not None]
+        flag = torch.tensor([float(bool(problems))], device=device)
+        dist.all_reduce(flag)
+        if flag.item():
+            raise ValueError(
+                problems[0] if problems else "another rank's pipeline stage refused this step (see its error)"
+            )
 
     # ------------------------------------------------------------------ schedule
     def _schedule(
@@ -116,10 +145,12 @@ class PipelineRunner:
         device: torch.device,
     ):
         key = (count, shape, with_positions)
-        if key in self._schedules:
-            return self._schedules[key]
+        if key == self._schedule_key:
+            self._cached[1].clear()
+            return self._cached
+        self._schedule_key, self._cached = None, None  # the old stages' buffers go now
         micro = (shape[0] // count, shape[1])
-        hidden = torch.empty(*micro, self.hidden_size, dtype=engine.compute_dtype, device="meta")
+        hidden = torch.empty(*micro, self.split.hidden_size, dtype=engine.compute_dtype, device="meta")
         stages = []
         for module in self.split.stages:
             # Static shapes: no shape-inference round trip, and gradients flow into every stage's input
@@ -153,8 +184,15 @@ class PipelineRunner:
             schedule = Schedule1F1B(stages[0], count, loss_fn=micro_batch_loss, scale_grads=False)
         else:
             schedule = ScheduleInterleaved1F1B(stages, count, loss_fn=micro_batch_loss, scale_grads=False)
-        self._schedules[key] = (schedule, losses)
-        return schedule, losses
+        self._schedule_key, self._cached = key, (schedule, losses, stages)
+        return self._cached
+
+    @staticmethod
+    def _release(stages: list[PipelineStage]) -> None:
+        """Drop what the stages keep after a run (the last stage's outputs, the caches of forwards for
+        backward): nothing of one step lives into the next."""
+        for stage in stages:
+            stage.clear_runtime_states()
 
     # ------------------------------------------------------------------ after the schedule
     def _sum_shared_gradients(self, engine: ZeroEngine, device: torch.device) -> None:
@@ -182,50 +220,83 @@ class PipelineRunner:
         return self.groups.rank("data") * self.groups.dims.tensor + self.groups.rank("tensor")
 
 
-def keep_stage_parameters(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> None:
-    """Drop from `optimizer`'s param groups the parameters of layers other stages hold (the optimizer was
-    built over the whole model); every group stays, possibly empty, so that schedulers and checkpoints
-    see the same groups on every stage."""
-    held = {id(p) for p in module.parameters()}
+def keep_stage_parameters(optimizer: torch.optim.Optimizer, dropped: set[int]) -> None:
+    """Drop from `optimizer`'s param groups the parameters of layers other stages hold (ids in `dropped`:
+    the optimizer was built over the whole model); anything else stays, for the engine's own check that
+    an optimizer holds only the model's parameters. Every group stays, possibly empty, so that schedulers
+    and checkpoints see the same groups on every stage."""
     for group in optimizer.param_groups:
-        group["params"] = [p for p in group["params"] if id(p) in held]
+        group["params"] = [p for p in group["params"] if id(p) not in dropped]
 
 
-def _stack(micro_batches: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(input_ids, labels, position_ids or None), each micro-batch's stacked along the batch dimension;
-    ValueError naming what a pipeline cannot take."""
+def _stack(
+    micro_batches: Sequence[Any], action: str, max_positions: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(input_ids, labels, position_ids or None), each micro-batch's stacked along the batch dimension.
+    Everything a stage could only find out in the middle of the schedule (leaving the other stages
+    waiting) is checked here, on every rank alike: ValueError naming the micro-batch and the problem."""
     if isinstance(micro_batches, (Mapping, torch.Tensor)) or not isinstance(micro_batches, Sequence):
         raise ValueError(
-            f"train_batch takes a list of micro-batches, got {type(micro_batches).__name__}; wrap one batch in a list"
+            f"{action} takes a list of micro-batches, got {type(micro_batches).__name__}; wrap one batch in a list"
         )
     if not micro_batches:
-        raise ValueError("train_batch got no micro-batches")
+        raise ValueError(f"{action} got no micro-batches")
     for index, batch in enumerate(micro_batches):
-        if not isinstance(batch, Mapping):
-            raise ValueError(
-                f"under pipeline stages each micro-batch is a mapping of {list(PIPELINE_INPUTS)}; micro-batch "
-                f"{index} is a {type(batch).__name__}"
-            )
-        extra = sorted(set(batch) - set(PIPELINE_INPUTS))
-        missing = [key for key in ("input_ids", "labels") if batch.get(key) is None]
-        if extra or missing:
-            raise ValueError(
-                f"micro-batch {index}: pipeline stages take {list(PIPELINE_INPUTS)} (the stages pass hidden states "
-                f"only; padding is expressed by labels -100 and position ids); "
-                + (f"unsupported: {extra}" if extra else f"missing: {missing}")
-            )
+        _check_micro_batch(batch, index, action, max_positions)
     shapes = {tuple(batch["input_ids"].shape) for batch in micro_batches}
     if len(shapes) != 1:
-        raise ValueError(f"pipeline micro-batches must all have one shape, got {sorted(shapes)}")
+        raise ValueError(f"{action}: pipeline micro-batches must all have one shape, got {sorted(shapes)}")
     positions = [batch.get("position_ids") for batch in micro_batches]
     if any(p is None for p in positions) != all(p is None for p in positions):
-        raise ValueError("give position_ids in every micro-batch or in none")
-    stacked = None
-    if positions[0] is not None:
-        shape = micro_batches[0]["input_ids"].shape
-        stacked = torch.cat([p.expand(shape) for p in positions])
+        raise ValueError(f"{action}: give position_ids in every micro-batch or in none")
+    shape = micro_batches[0]["input_ids"].shape
+    stacked = torch.cat([p.expand(shape) for p in positions]) if positions[0] is not None else None
     return (
         torch.cat([batch["input_ids"] for batch in micro_batches]),
         torch.cat([batch["labels"] for batch in micro_batches]),
         stacked,
     )
+
+
+def _check_micro_batch(batch: Any, index: int, action: str, max_positions: int) -> None:
+    where = f"{action}: micro-batch {index}"
+    if not isinstance(batch, Mapping):
+        raise ValueError(
+            f"{where}: under pipeline stages each micro-batch is a mapping of {list(PIPELINE_INPUTS)}, got a "
+            f"{type(batch).__name__}"
+        )
+    extra = sorted(set(batch) - set(PIPELINE_INPUTS))
+    missing = [key for key in ("input_ids", "labels") if batch.get(key) is None]
+    if extra or missing:
+        raise ValueError(
+            f"{where}: pipeline stages take {list(PIPELINE_INPUTS)} (the stages pass hidden states only; padding "
+            "is expressed by labels -100 and position ids); "
+            + (f"unsupported: {extra}" if extra else f"missing: {missing}")
+        )
+    ids, labels = batch["input_ids"], batch["labels"]
+    if ids.dim() != 2 or ids.is_floating_point():
+        raise ValueError(
+            f"{where}: input_ids must be integer token ids of shape (batch, length), got {ids.dtype} {list(ids.shape)}"
+        )
+    if labels.shape != ids.shape:
+        raise ValueError(
+            f"{where}: labels {list(labels.shape)} must have the shape of input_ids {list(ids.shape)}"
+        )
+    if ids.shape[1] > max_positions:
+        raise ValueError(
+            f"{where}: sequences of {ids.shape[1]} tokens are longer than the model's max_position_embeddings "
+            f"({max_positions})"
+        )
+    positions = batch.get("position_ids")
+    if positions is not None:
+        try:
+            positions.expand(ids.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"{where}: position_ids {list(positions.shape)} do not fit input_ids {list(ids.shape)}"
+            ) from None
+        if positions.numel() and int(positions.max()) >= max_positions:
+            raise ValueError(
+                f"{where}: position id {int(positions.max())} is beyond the model's max_position_embeddings "
+                f"({max_positions})"
+            )

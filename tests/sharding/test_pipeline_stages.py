@@ -7,12 +7,16 @@ import pytest
 import torch
 
 from tests.sharding.test_parallel_dims import assert_equal_to_one_process
-from tests.support.parallel_cases import tnlg_batches, tnlg_reference, train_tensor_data
+from tests.support.parallel_cases import tnlg_batches, tnlg_optimizer, tnlg_reference, train_tensor_data
 from tests.support.pipeline_cases import (
+    dropout_generators_out_of_step,
     evaluate_after_training,
+    frozen_tied_embedding,
+    optimizer_beyond_the_model,
     pipeline_refusals,
     pipeline_traffic,
     pretrained_layout,
+    schedules_kept,
     train_mixed_precision,
 )
 from tests.support.tensor_parallel_cases import make_config, make_model
@@ -75,13 +79,60 @@ def test_eval_batch_is_the_whole_models_loss(pipeline, tensor):
     assert results[0]["loss"] == pytest.approx(expected, rel=1e-6)
 
 
-def test_what_pipeline_stages_cannot_run_is_refused_by_name():
-    mask, no_labels, shapes, tuples, forward = run_distributed(pipeline_refusals, 2, timeout=300)[0]
-    assert "unsupported: ['attention_mask']" in mask
+def test_what_pipeline_stages_cannot_run_is_refused_by_name_on_every_rank():
+    results = run_distributed(pipeline_refusals, 2, timeout=300)
+    mask, no_labels, shapes, tuples, forward, label_shape, eval_labels, too_long, flat, positions = results[0]
+    assert "micro-batch 0: pipeline stages take" in mask and "unsupported: ['attention_mask']" in mask
     assert "missing: ['labels']" in no_labels
     assert "must all have one shape" in shapes
     assert "each micro-batch is a mapping" in tuples
     assert "holds pipeline stages [0] of 2, not the whole model: train with engine.train_batch" in forward
+    assert "train_batch: micro-batch 0: labels [4, 6] must have the shape of input_ids [4, 12]" in label_shape
+    assert "eval_batch: micro-batch 0" in eval_labels and "missing: ['labels']" in eval_labels
+    assert "sequences of 40 tokens are longer than the model's max_position_embeddings (32)" in too_long
+    assert "input_ids must be integer token ids of shape (batch, length)" in flat
+    assert "position_ids [1, 5] do not fit input_ids [4, 12]" in positions
+    # Both stages refuse before the schedule starts: neither is left waiting for the other.
+    assert results[1][5:] == results[0][5:]
+
+
+@pytest.mark.slow
+def test_a_frozen_tied_embedding_trains_the_rest_like_one_process():
+    results = run_distributed(frozen_tied_embedding, 4, timeout=600)
+    model = make_model()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    optimizer = tnlg_optimizer(model)
+    losses = []
+    for ids, labels in tnlg_batches():
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert results[0]["losses"] == pytest.approx(losses, rel=1e-5)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(results[0]["state"][name], value, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_dropout_generators_out_of_step_on_a_later_stage_stop_every_rank():
+    messages = run_distributed(dropout_generators_out_of_step, 4, timeout=600)
+    assert all("ValueError" not in m and m != "trained" for m in messages)
+    later = [m for m in messages if m.startswith("pipeline stage 1:")]
+    assert later and all("another rank's pipeline stage refused" in m for m in messages if m not in later)
+
+
+def test_an_optimizer_beyond_the_model_is_refused_under_pipeline_stages():
+    message = run_distributed(optimizer_beyond_the_model, 2, timeout=300)[0]
+    assert "holds a parameter of shape [3] that is not in the model" in message
+
+
+def test_one_schedule_is_kept_and_nothing_of_a_step_outlives_it():
+    kept = run_distributed(schedules_kept, 2, timeout=300)
+    for result in kept:
+        assert result["key"] == (4, (4, 12), False)  # the evaluation's, replacing the two training shapes
+        assert result["leftovers"] == 0
+        assert result["training"]  # eval_batch restores the mode it found
 
 
 def test_virtual_stages_need_pipeline_stages():

@@ -50,6 +50,22 @@ def pipeline_refusals(rank: int, world_size: int) -> list[str]:
         ),
         lambda: engine.train_batch([(ids, labels)]),
         lambda: engine(ids, labels=labels),
+        # What a stage could only find in the middle of the schedule, leaving the others waiting:
+        lambda: engine.train_batch([{"input_ids": ids, "labels": labels[:, :6]}] * 2),
+        lambda: engine.eval_batch([{"input_ids": torch.zeros(1, 40, dtype=torch.long)} | {"labels": None}]),
+        lambda: engine.eval_batch(
+            [
+                {
+                    "input_ids": torch.zeros(1, 40, dtype=torch.long),
+                    "labels": torch.zeros(1, 40, dtype=torch.long),
+                }
+            ]
+            * 2
+        ),
+        lambda: engine.train_batch([{"input_ids": ids[0], "labels": labels[0]}] * 2),
+        lambda: engine.train_batch(
+            [{"input_ids": ids, "labels": labels, "position_ids": torch.arange(5)[None]}] * 2
+        ),
     ]
     for attempt in attempts:
         try:
@@ -119,5 +135,67 @@ def train_mixed_precision(rank: int, world_size: int, precision: str, stage: int
         losses.append(engine.train_batch(data_share(engine, ids, labels)).item())
         norms.append(engine.get_global_grad_norm())
     result = {"losses": losses, "norms": norms, "loss_scale": engine.loss_scale}
+    engine.close()
+    return result
+
+
+def frozen_tied_embedding(rank: int, world_size: int) -> dict:
+    """Pipeline 2 x data 2 with the tied embedding frozen: the losses and the final state."""
+    model = make_tnlg()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    engine = initialize(model, tnlg_optimizer(model), ZeroConfig(stage=2), parallel=ParallelDims(pipeline=2))
+    losses = [engine.train_batch(data_share(engine, ids, labels)).item() for ids, labels in tnlg_batches()]
+    state = engine.full_state_dict()
+    engine.close()
+    return {"losses": losses, "state": state}
+
+
+def dropout_generators_out_of_step(rank: int, world_size: int) -> str:
+    """Tensor 2 x pipeline 2 with dropout, the second stage's tensor ranks seeded apart: what every rank
+    raises at train_batch (the first stage's ranks agree; only the later stage could see it)."""
+    model = make_tnlg(hidden_dropout=0.1)
+    engine = initialize(
+        model, tnlg_optimizer(model), ZeroConfig(stage=1), parallel=ParallelDims(tensor=2, pipeline=2)
+    )
+    torch.manual_seed(7 + (rank if engine.parallel.rank("pipeline") == 1 else 0))
+    ids, labels = tnlg_batches(1)[0]
+    try:
+        engine.train_batch(
+            [{"input_ids": i[None], "labels": t[None]} for i, t in zip(ids, labels, strict=True)]
+        )
+    except ValueError as error:
+        return str(error)
+    finally:
+        engine.close()
+    return "trained"
+
+
+def optimizer_beyond_the_model(rank: int, world_size: int) -> str:
+    """An optimizer holding a parameter the model lacks, under pipeline stages: the engine's error."""
+    model = make_tnlg()
+    stray = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.AdamW([*model.parameters(), stray])
+    try:
+        initialize(model, optimizer, ZeroConfig(stage=1), parallel=ParallelDims(pipeline=2))
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def schedules_kept(rank: int, world_size: int) -> dict:
+    """Steps at two sequence lengths, then an evaluation: how many schedules and stage states remain."""
+    model = make_tnlg()
+    engine = initialize(model, tnlg_optimizer(model), ZeroConfig(stage=1), parallel=ParallelDims(pipeline=2))
+    ids, labels = tnlg_batches(1)[0]
+    for length in (12, 8):
+        engine.train_batch(data_share(engine, ids[:, :length], labels[:, :length]))
+    engine.eval_batch(data_share(engine, ids, labels))
+    runner = engine.pipeline
+    stages = runner._cached[2]
+    result = {
+        "key": runner._schedule_key,
+        "leftovers": sum(len(stage.fwd_cache) + len(stage.output_chunks) for stage in stages),
+        "training": engine.module.training,
+    }
     engine.close()
     return result

@@ -170,14 +170,12 @@ def _pipeline_rank_model(
     if dims.pipeline == 1:
         return model, optimizer, set()
     model, optimizer = copy.deepcopy((model, optimizer))  # one memo: the optimizer keeps the copy's params
+    whole = {id(p) for p in model.parameters()}
     split = split_pipeline(model, rank_stages(rank, dims.pipeline, dims.virtual_stages), dims.num_stages)
-    keep_stage_parameters(optimizer, model)
-    held = set(split.stage_indices)
-    own_units = {
-        name
-        for name, stages in split.shared.items()
-        if held & set(stages) and len({stage % dims.pipeline for stage in stages}) > 1
-    }
+    keep_stage_parameters(optimizer, whole - {id(p) for p in model.parameters()})
+    # the engine's shared (summed) parameters: the trainable ones this rank holds that another stage holds
+    held = {name for name, p in model.named_parameters() if p.requires_grad}
+    own_units = {name for name in split.shared if name in held}
     return model, optimizer, own_units
 
 
