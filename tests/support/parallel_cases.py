@@ -82,6 +82,15 @@ def tnlg_batches(steps: int = TNLG_STEPS, seed: int = 3) -> list[tuple[torch.Ten
     return out
 
 
+def tnlg_rows() -> list[dict[str, torch.Tensor]]:
+    """The global batches' sequences one by one, as a dataset for a data loader (in order)."""
+    return [
+        {"input_ids": ids, "labels": labels}
+        for batch in tnlg_batches()
+        for ids, labels in zip(*batch, strict=True)
+    ]
+
+
 def tnlg_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -164,12 +173,7 @@ def accelerate_tensor_data(rank: int, world_size: int, stage: int, source: str) 
         os.environ.update(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_TP_SIZE="2")
     accelerator = ZeroAccelerator(zero_config=ZeroConfig(stage=stage), **options)
     model = make_tnlg()
-    dataset = [
-        {"input_ids": ids, "labels": labels}
-        for batch in tnlg_batches()
-        for ids, labels in zip(*batch, strict=True)
-    ]
-    loader = torch.utils.data.DataLoader(dataset, batch_size=2, shuffle=False)
+    loader = torch.utils.data.DataLoader(tnlg_rows(), batch_size=2, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, tnlg_optimizer(model), loader)
     losses, seen = [], []
     for batch in loader:

@@ -28,19 +28,14 @@ def accelerate_pipeline_data(rank: int, world_size: int, stage: int) -> dict:
     batches this rank read, its data rank and size, the final consolidated parameters."""
     import torch
 
-    from tests.support.parallel_cases import tnlg_batches, tnlg_optimizer
+    from tests.support.parallel_cases import tnlg_optimizer, tnlg_rows
     from tests.support.tensor_parallel_cases import make_model
     from tnlg.accelerate import ZeroAccelerator
     from tnlg.sharding import ParallelDims, ZeroConfig
 
     accelerator = ZeroAccelerator(zero_config=ZeroConfig(stage=stage), parallel=ParallelDims(pipeline=2))
     model = make_model()
-    dataset = [
-        {"input_ids": ids, "labels": labels}
-        for batch in tnlg_batches()
-        for ids, labels in zip(*batch, strict=True)
-    ]
-    loader = torch.utils.data.DataLoader(dataset, batch_size=2, shuffle=False)
+    loader = torch.utils.data.DataLoader(tnlg_rows(), batch_size=2, shuffle=False)
     engine, _, loader = accelerator.prepare(model, tnlg_optimizer(model), loader)
     losses, seen = [], []
     for batch in loader:
