@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from .collectives import Collectives
+from .schedule import check_micro_batch_list
 
 if TYPE_CHECKING:
     from tnlg.modeling.pipeline import PipelineSplit
@@ -235,12 +236,7 @@ def _stack(
     """(input_ids, labels, position_ids or None), each micro-batch's stacked along the batch dimension.
     Everything a stage could only find out in the middle of the schedule (leaving the other stages
     waiting) is checked here, on every rank alike: ValueError naming the micro-batch and the problem."""
-    if isinstance(micro_batches, (Mapping, torch.Tensor)) or not isinstance(micro_batches, Sequence):
-        raise ValueError(
-            f"{action} takes a list of micro-batches, got {type(micro_batches).__name__}; wrap one batch in a list"
-        )
-    if not micro_batches:
-        raise ValueError(f"{action} got no micro-batches")
+    check_micro_batch_list(micro_batches, action)
     for index, batch in enumerate(micro_batches):
         _check_micro_batch(batch, index, action, max_positions)
     shapes = {tuple(batch["input_ids"].shape) for batch in micro_batches}

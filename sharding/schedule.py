@@ -32,6 +32,17 @@ def micro_batch_loss(output: Any) -> torch.Tensor:
     return loss
 
 
+def check_micro_batch_list(micro_batches: Any, action: str) -> None:
+    """`micro_batches` must be a non-empty list (of mappings, tuples or single arguments): ValueError
+    naming `action` (train_batch, eval_batch) otherwise."""
+    if isinstance(micro_batches, (Mapping, torch.Tensor)) or not isinstance(micro_batches, Sequence):
+        raise ValueError(
+            f"{action} takes a list of micro-batches, got {type(micro_batches).__name__}; wrap one batch in a list"
+        )
+    if not micro_batches:
+        raise ValueError(f"{action} got no micro-batches")
+
+
 def run_micro_batch(engine: ZeroEngine, micro_batch: Any) -> torch.Tensor:
     """The model on one micro-batch: a mapping is keyword arguments, a tuple or list positional ones,
     anything else the one argument."""
@@ -45,14 +56,8 @@ def run_micro_batch(engine: ZeroEngine, micro_batch: Any) -> torch.Tensor:
 def train_batch(engine: ZeroEngine, micro_batches: Sequence[Any]) -> torch.Tensor:
     """Run `micro_batches`, step once, return the mean loss over them and over the data-parallel ranks
     (a detached fp32 scalar, the same on every rank)."""
-    if isinstance(micro_batches, (Mapping, torch.Tensor)) or not isinstance(micro_batches, Sequence):
-        raise ValueError(
-            f"train_batch takes a list of micro-batches, got {type(micro_batches).__name__}; wrap one batch "
-            "in a list"
-        )
+    check_micro_batch_list(micro_batches, "train_batch")
     count = len(micro_batches)
-    if count == 0:
-        raise ValueError("train_batch got no micro-batches")
     configured = engine.gradient_accumulation_steps()
     if configured not in (1, count):
         raise ValueError(
@@ -79,12 +84,7 @@ def train_batch(engine: ZeroEngine, micro_batches: Sequence[Any]) -> torch.Tenso
 def eval_batch(engine: ZeroEngine, micro_batches: Sequence[Any]) -> torch.Tensor:
     """The mean loss over `micro_batches` and the data-parallel ranks, without gradients (a detached fp32
     scalar on the CPU, the same on every rank)."""
-    if isinstance(micro_batches, (Mapping, torch.Tensor)) or not isinstance(micro_batches, Sequence):
-        raise ValueError(
-            f"eval_batch takes a list of micro-batches, got {type(micro_batches).__name__}; wrap one batch in a list"
-        )
-    if not micro_batches:
-        raise ValueError("eval_batch got no micro-batches")
+    check_micro_batch_list(micro_batches, "eval_batch")
     device = engine.groups[0].device
     total = torch.zeros((), dtype=torch.float32, device=device)
     with torch.no_grad():

@@ -20,6 +20,7 @@ from tests.support.pipeline_cases import (
     train_mixed_precision,
 )
 from tests.support.tensor_parallel_cases import make_config, make_model
+from tests.support.zero_models import train_one_process
 from tnlg.sharding import ParallelDims
 from tnlg.tools.spawn import run_distributed
 
@@ -101,16 +102,11 @@ def test_a_frozen_tied_embedding_trains_the_rest_like_one_process():
     results = run_distributed(frozen_tied_embedding, 4, timeout=600)
     model = make_model()
     model.model.embed_tokens.weight.requires_grad_(False)
-    optimizer = tnlg_optimizer(model)
-    losses = []
-    for ids, labels in tnlg_batches():
-        loss = model(ids, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    assert results[0]["losses"] == pytest.approx(losses, rel=1e-5)
-    for name, value in model.state_dict().items():
+    reference = train_one_process(
+        model, tnlg_optimizer(model), tnlg_batches(), lambda ids, labels: model(ids, labels=labels).loss
+    )
+    assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    for name, value in reference["state"].items():
         torch.testing.assert_close(results[0]["state"][name], value, atol=1e-5, rtol=0, msg=name)
 
 

@@ -9,7 +9,7 @@ from tests.support.tensor_parallel_cases import VOCAB
 from tests.support.tensor_parallel_cases import make_model as make_tnlg
 from tests.support.traffic import counted_traffic, unit_sizes
 from tests.support.zero_cases import SMALL, STEPS
-from tests.support.zero_models import batches, local, make_model, make_optimizer
+from tests.support.zero_models import batches, local, make_model, make_optimizer, train_one_process
 from tnlg.sharding import ParallelDims, ZeroConfig, initialize
 from tnlg.sharding.parallel import build_groups
 
@@ -104,22 +104,8 @@ def tnlg_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 def tnlg_reference(clip: float = 0.0, layers: int = 2) -> dict:
     """One process on the global batches: per-step losses and gradient norms, the final parameters."""
     model = make_tnlg(num_hidden_layers=layers)
-    optimizer = tnlg_optimizer(model)
-    losses, norms = [], []
-    for ids, labels in tnlg_batches():
-        loss = model(ids, labels=labels).loss
-        loss.backward()
-        norms.append(
-            float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")))
-        )
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return {
-        "losses": losses,
-        "norms": norms,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-    }
+    loss_of = lambda ids, labels: model(ids, labels=labels).loss  # noqa: E731
+    return train_one_process(model, tnlg_optimizer(model), tnlg_batches(), loss_of, clip)
 
 
 def train_tensor_data(

@@ -97,10 +97,17 @@ def train_reference(
 ) -> tuple[list[float], dict, list[float]]:
     """Single-process training on the global batches: (losses, final state dict, grad norms)."""
     model = make_model()
-    optimizer = make_optimizer(model)
+    run = train_one_process(model, make_optimizer(model), batches(steps), lambda ids, t: model(ids, t), clip)
+    return run["losses"], run["state"], run["norms"]
+
+
+def train_one_process(model, optimizer, global_batches, loss_of, clip: float = 0.0) -> dict:
+    """The reference every layout is compared with: `model` trained on `global_batches` ((inputs,
+    labels) pairs; `loss_of(inputs, labels)` its loss) in one process, clipped at `clip` (0: never).
+    Per-step losses and gradient norms (before clipping), and the final state dict."""
     losses, norms = [], []
-    for input_ids, labels in batches(steps):
-        loss = model(input_ids, labels)
+    for inputs, labels in global_batches:
+        loss = loss_of(inputs, labels)
         loss.backward()
         norms.append(
             float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")))
@@ -108,4 +115,8 @@ def train_reference(
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
