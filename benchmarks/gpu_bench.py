@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from tnlg import TNLGConfig, TNLGForCausalLM
 from tnlg.modeling import fused_ops
+from tnlg.run.activations import enable_activation_checkpointing
 from tnlg.run.metrics import peak_flops_per_device
 from tnlg.sharding import ZeroConfig, initialize
 from tnlg.sharding.kernels.cuda_adam import cuda_extension
@@ -251,8 +252,7 @@ def bench_training(
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
         zero = ZeroConfig(stage=0, mixed_precision="bf16", fused_adam="auto" if fused == "auto" else "none")
         engine = initialize(model, optimizer, zero, device=device)
-        # activation checkpointing (its newer name where Transformers has it), as a 1.3B run would use
-        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+        enable_activation_checkpointing(model)  # as a 1.3B run would use
         ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
 
         def step(engine=engine, ids=ids):

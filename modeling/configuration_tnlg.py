@@ -12,6 +12,8 @@ from typing import Any
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
+from .transformers_compat import CACHE_NAME
+
 FUSED_CHOICES = ("auto", "triton", "none")  # TNLGConfig.fused_kernels
 
 # GPT-2's byte-level BPE has 50257 tokens. Megatron pads the embedding table to a multiple of
@@ -99,7 +101,7 @@ class TNLGConfig(PreTrainedConfig):
     """
 
     model_type = "tnlg"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE_NAME]  # the model output's cache field ([Note: the cache's name])
     # Megatron tensor slicing, declared the Transformers way (read by `from_pretrained(tp_plan="auto")`
     # and by tnlg's own `tnlg.modeling.tensor_parallel.apply_tensor_parallel`). Keys are module names of
     # `TNLGModel`; `*` stands for a layer index only. The fused QKV is cut per head inside each of its

@@ -20,7 +20,6 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
@@ -40,6 +39,7 @@ from .loading import (
     weight_files,
     write_checksums,
 )
+from .transformers_compat import CACHE_NAME, accepts_legacy_cache_name, cache_kwarg, causal_mask, output_cache
 
 
 def eager_attention_forward(
@@ -116,7 +116,7 @@ class TNLGAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,  # (B, T, H)
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, _ = hidden_states.shape
@@ -125,8 +125,8 @@ class TNLGAttention(nn.Module):
         qkv = qkv.view(batch, length, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
         query, key, value = qkv.unbind(0)  # each (B, nh, T, hd)
 
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)  # (B, nh, S, hd)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)  # (B, nh, S, hd)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -191,18 +191,16 @@ class TNLGBlock(GradientCheckpointingLayer):
         self.post_attention_layernorm = TNLGLayerNorm(config)
         self.mlp = TNLGMLP(config)
 
+    @accepts_legacy_cache_name  # called with the cache under the release's name ([Note: the cache's name])
     def forward(
         self,
         hidden_states: torch.Tensor,  # (B, T, H)
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         attn_output, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            **kwargs,
+            self.input_layernorm(hidden_states), attention_mask=attention_mask, cache=cache, **kwargs
         )
         hidden_states = hidden_states + attn_output
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -214,7 +212,7 @@ class TNLGPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["TNLGBlock"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_NAME]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -359,6 +357,7 @@ class TNLGModel(TNLGPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
+    @accepts_legacy_cache_name
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -366,7 +365,7 @@ class TNLGModel(TNLGPreTrainedModel):
         input_ids: torch.LongTensor | None = None,  # (B, T)
         attention_mask: torch.Tensor | None = None,  # (B, S): 1 = attend, 0 = padding
         position_ids: torch.LongTensor | None = None,  # (B, T)
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,  # (B, T, H)
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -381,36 +380,26 @@ class TNLGModel(TNLGPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         length = inputs_embeds.shape[1]
 
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past_length = cache.get_seq_length() if cache is not None else 0
         self._check_lengths(attention_mask, past_length, length)
         if position_ids is None:
             position_ids = self._default_position_ids(
                 attention_mask, past_length, length, inputs_embeds.device
             )
 
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
-        )
+        mask = causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
 
         hidden_states = self.embed_dropout(inputs_embeds + self.embed_positions(position_ids))  # (B, T, H)
         for block in self.layers:
+            # The cache under the release's name: GradientCheckpointingLayer drops it by that name.
             hidden_states = block(
-                hidden_states,
-                attention_mask=causal_mask,
-                past_key_values=past_key_values,
-                position_ids=position_ids,
-                **kwargs,
+                hidden_states, attention_mask=mask, position_ids=position_ids, **cache_kwarg(cache), **kwargs
             )
         hidden_states = self.final_layernorm(hidden_states)
         return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            last_hidden_state=hidden_states, **cache_kwarg(cache if use_cache else None)
         )
 
     def _check_lengths(self, attention_mask: torch.Tensor | None, past_length: int, length: int) -> None:
@@ -466,20 +455,21 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
 
+    @accepts_legacy_cache_name
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,  # (B, T); -100 = no loss; shifted inside
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
-        if use_cache is None and labels is not None and past_key_values is None:
+        if use_cache is None and labels is not None and cache is None:
             # A loss needs no cache: building one would hold every layer's keys and values for
             # nothing, and a cache turns off Transformers' packed-sequence masking (positions
             # restarting at 0 keep packed examples apart only without one).
@@ -488,7 +478,7 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -503,9 +493,9 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
         if loss is not None:
             return CausalLMOutputWithPast(
                 loss=loss,
-                past_key_values=outputs.past_key_values,
                 hidden_states=outputs.hidden_states,
                 attentions=outputs.attentions,
+                **cache_kwarg(output_cache(outputs)),
             )
         # Generation needs only the last position's logits: skip the (B, T, V) matmul for the rest.
         # A head cut for tensor slicing gathers its logits over the vocabulary: full (B, T', V).
@@ -520,9 +510,9 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            **cache_kwarg(output_cache(outputs)),
         )
 
     def _loss_without_logits(

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask
 
 from . import tensor_parallel
 from .modeling_tnlg import has_dropout
+from .transformers_compat import causal_mask
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -143,13 +143,7 @@ class TNLGPipelineStage(nn.Module):
             hidden = model.embed_dropout(hidden)  # (B, T, H)
         else:
             hidden = inputs
-        mask = create_causal_mask(
-            config=config,
-            inputs_embeds=hidden,
-            attention_mask=None,
-            past_key_values=None,
-            position_ids=position_ids,
-        )
+        mask = causal_mask(config, hidden, attention_mask=None, cache=None, position_ids=position_ids)
         for index in self.layers:
             hidden = model.layers[index](hidden, attention_mask=mask, position_ids=position_ids)
         if self.is_last:

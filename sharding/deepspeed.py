@@ -61,7 +61,7 @@ _TOP_RULES = {
     "aio": KeyRule("NVMe I/O (tnlg offloads to CPU memory only)"),
     "activation_checkpointing": KeyRule(
         "configures deepspeed.checkpointing, which tnlg models do not call "
-        "(use model.gradient_checkpointing_enable())"
+        "(use the run config's model.activation_checkpointing, or the model's activation_checkpointing_enable())"
     ),
     "seq_parallel_communication_data_type": KeyRule("sequence parallelism only; tnlg has none"),
     "prescale_gradients": KeyRule("divides gradients before the reduction instead of after", **at(False)),

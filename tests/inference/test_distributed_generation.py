@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,11 @@ def _rank_cases(rank: int, world_size: int, path: str, early_eos: int) -> dict[s
     }
     torch.manual_seed(SAMPLING_SEED + rank)
     results["sampling"] = generate_on_ranks(engine, tokenizer, PROMPTS, SAMPLING, batch_size=2)
+    # The same three decodings without the KV cache (test_sharded_cached_generation_equals_uncached).
+    for case, settings in {"greedy": GREEDY, "beams": BEAMS, "sampling": SAMPLING}.items():
+        torch.manual_seed(SAMPLING_SEED + rank)
+        uncached = replace(settings, use_cache=False)
+        results[f"{case}-uncached"] = generate_on_ranks(engine, tokenizer, PROMPTS, uncached, batch_size=2)
     _eos_at(tokenizer, early_eos)
     results["early-eos"] = generate_on_ranks(engine, tokenizer, PROMPTS, GREEDY, batch_size=2)
     stage_0, tokenizer = load_sharded_model(path, {"stage": 0})
@@ -160,6 +166,15 @@ def test_sampling_on_2_ranks_draws_what_each_rank_would_alone(ranks, reference):
     torch.manual_seed(SAMPLING_SEED + 1)
     expected += _expected(reference, PROMPTS[start:end], SAMPLING, batch_size=2)
     assert ranks[0]["sampling"] == ranks[1]["sampling"] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["greedy", "beams", "sampling"])
+def test_sharded_cached_generation_equals_uncached(ranks, case):
+    """Stage 3 with the KV cache produces what it produces without one ([Note: the cache's name])."""
+    for rank in ranks:
+        assert all(len(text) > 0 for text in rank[case])
+        assert rank[case] == rank[f"{case}-uncached"]
 
 
 def test_rank_slices_are_contiguous_and_balanced():

@@ -11,6 +11,7 @@ from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
 
 from tnlg import TNLGConfig, TNLGForCausalLM, TNLGModel
 from tnlg.modeling.modeling_tnlg import TNLGMLP
+from tnlg.modeling.transformers_compat import enable_checkpointing, output_cache
 
 
 def test_loss_is_shifted_cross_entropy_ignoring_minus_100(debug_model):
@@ -68,13 +69,26 @@ def test_kv_cache_step_by_step_equals_full_forward(debug_model):
     input_ids = torch.randint(0, 512, (2, 14))
     full = debug_model(input_ids).logits
     cache = DynamicCache(config=debug_model.config)
-    prefix = debug_model(input_ids[:, :9], past_key_values=cache, use_cache=True)
-    assert isinstance(prefix.past_key_values, DynamicCache)
+    prefix = debug_model(input_ids[:, :9], cache=cache, use_cache=True)
+    assert output_cache(prefix) is cache
     steps = [prefix.logits]
     for t in range(9, 14):
-        steps.append(debug_model(input_ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+        steps.append(debug_model(input_ids[:, t : t + 1], cache=cache, use_cache=True).logits)
     assert cache.get_seq_length() == 14
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_the_cache_passed_by_its_old_name_is_the_same_cache(debug_model):
+    """`past_key_values` (the name Transformers 5.17's generate() and older user code pass) is read as
+    `cache`, not dropped ([Note: the cache's name]); passing both is refused."""
+    input_ids = torch.randint(0, 512, (1, 6))
+    cache = DynamicCache(config=debug_model.config)
+    debug_model(input_ids[:, :5], past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 5
+    by_old_name = debug_model(input_ids[:, 5:], past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(by_old_name[:, -1], debug_model(input_ids).logits[:, -1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="pass the key-value cache once"):
+        debug_model(input_ids[:, 5:], cache=cache, past_key_values=cache)
 
 
 def test_sequence_longer_than_positions_is_refused(debug_model):
@@ -125,11 +139,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(debug_config, monkeypat
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
     plain = gradients()
-    # transformers renamed the method after 5.17; either name must reach the same switch.
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, {"use_reentrant": False})  # by the release's name for the switch
     calls = []
     mlp_forward = TNLGMLP.forward
     monkeypatch.setattr(TNLGMLP, "forward", lambda self, x: calls.append(1) or mlp_forward(self, x))
@@ -138,6 +148,17 @@ def test_gradient_checkpointing_gives_the_same_gradients(debug_config, monkeypat
     assert len(calls) == 2 * debug_config.num_hidden_layers
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], msg=name)
+
+
+def test_checkpointed_training_forward_leaves_a_cache_unwritten(debug_config):
+    """Under activation checkpointing each block is handed the cache by the name Transformers clears
+    ([Note: the cache's name]): were it another, backward's recomputation would write it a second time."""
+    model = TNLGForCausalLM(debug_config).train()
+    enable_checkpointing(model, {"use_reentrant": False})
+    input_ids = torch.randint(0, 512, (2, 8))
+    cache = DynamicCache(config=debug_config)
+    model(input_ids, cache=cache, use_cache=True).logits.sum().backward()
+    assert cache.get_seq_length() == 0
 
 
 def test_resize_token_embeddings_keeps_rows_and_tying(debug_model):
@@ -191,9 +212,9 @@ def test_tuple_outputs_with_return_dict_false(debug_model):
 
 
 def test_mask_that_skips_the_cached_tokens_is_refused(debug_model):
-    cache = debug_model(torch.randint(0, 512, (1, 4)), use_cache=True).past_key_values
+    cache = output_cache(debug_model(torch.randint(0, 512, (1, 4)), use_cache=True))
     with pytest.raises(ValueError, match="cache holds 4"):
-        debug_model(torch.tensor([[7]]), attention_mask=torch.ones(1, 1), past_key_values=cache)
+        debug_model(torch.tensor([[7]]), attention_mask=torch.ones(1, 1), cache=cache)
 
 
 def test_labels_with_logits_to_keep_are_refused(debug_model):

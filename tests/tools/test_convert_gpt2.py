@@ -10,6 +10,7 @@ from scripts.convert_checkpoint import main as convert_main
 from tnlg import TNLGForCausalLM
 from tnlg.data.tokenizer import byte_level_tokenizer
 from tnlg.modeling import CheckpointMismatchError
+from tnlg.modeling.transformers_compat import cache_kwarg, output_cache
 from tnlg.tools.convert import from_gpt2
 
 VOCAB = 300
@@ -66,8 +67,8 @@ def test_cached_generation_equals_gpt2():
     gpt2_out = gpt2(input_ids, use_cache=True)
     next_ids = torch.randint(1, VOCAB, (2, 1))
     torch.testing.assert_close(
-        tnlg(next_ids, past_key_values=tnlg_out.past_key_values, use_cache=True).logits,
-        gpt2(next_ids, past_key_values=gpt2_out.past_key_values, use_cache=True).logits,
+        tnlg(next_ids, **cache_kwarg(output_cache(tnlg_out)), use_cache=True).logits,
+        gpt2(next_ids, **cache_kwarg(output_cache(gpt2_out)), use_cache=True).logits,
         atol=1e-5,
         rtol=0,
     )

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tnlg.modeling.transformers_compat import enable_checkpointing
+
 # Non-reentrant checkpointing: the recomputation runs inside the ordinary backward, so the engine's
 # hooks and gradient reduction see it like any other backward (the reentrant variant runs a nested
 # backward per block and needs inputs that require grad).
@@ -31,12 +33,7 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
             f"model.activation_checkpointing.enabled: {type(model).__name__} does not support activation "
             "checkpointing (it is no Transformers model with checkpointed layers)"
         )
-    # transformers renamed the method after 5.17 (the GPU image's version); the old name still works
-    # in newer releases but warns, so the new one is used where it exists.
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(CHECKPOINT_KWARGS))
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(CHECKPOINT_KWARGS))
+    enable_checkpointing(model, dict(CHECKPOINT_KWARGS))
 
 
 def is_activation_checkpointing(model: nn.Module) -> bool:

@@ -1,0 +1,113 @@
+"""The one place that adapts the model to the installed Transformers release.
+
+[Note: the cache's name] Transformers 5.24 renamed the key-value cache from `past_key_values` to `cache`:
+the keyword `generate()` hands the model, the field of the model outputs, the argument of
+`create_causal_mask`, and the keyword `GradientCheckpointingLayer` clears under checkpointing. The old
+name is deprecated there (removed in 5.40), while the floor release (5.17) knows only the old one. A
+model that reads one name loses the cache on the other release without an error: every decoding step
+then sees only its newest token. So:
+
+- `CACHE_NAME` is the name the installed release uses, read from `create_causal_mask`'s public
+  signature (a feature, not a version number).
+- Every call into Transformers that carries the cache passes it as `**cache_kwarg(cache)`, and a model
+  output's cache is read with `output_cache(outputs)`.
+- The model's own forwards take `cache`, and `accepts_legacy_cache_name` maps `past_key_values` onto it:
+  that is what 5.17's `generate()` passes, and what user code written for it still passes.
+
+Likewise Transformers 5.23 renamed `gradient_checkpointing_enable` to `activation_checkpointing_enable`
+(the old name warns): `enable_checkpointing` calls whichever the installed release has.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.masking_utils import create_causal_mask
+from transformers.utils import ModelOutput
+
+logger = logging.getLogger(__name__)
+
+LEGACY_CACHE_NAME = "past_key_values"
+CACHE_NAME = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else LEGACY_CACHE_NAME
+
+Function = TypeVar("Function", bound=Callable[..., Any])
+
+
+def cache_kwarg(cache: Cache | None) -> dict[str, Cache | None]:
+    """The cache as the keyword the installed Transformers reads."""
+    return {CACHE_NAME: cache}
+
+
+def output_cache(outputs: ModelOutput) -> Cache | None:
+    """The cache a model output carries, under whichever name the installed release gives the field."""
+    return getattr(outputs, CACHE_NAME, None)
+
+
+def causal_mask(
+    config: Any,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache: Cache | None,
+    position_ids: torch.Tensor | None,
+) -> Any:
+    """`create_causal_mask` with the cache under the installed release's name."""
+    return create_causal_mask(
+        config=config,
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        **cache_kwarg(cache),
+    )
+
+
+def accepts_legacy_cache_name(forward: Function) -> Function:
+    """Let a forward that takes `cache` also be called with `past_key_values` (never both).
+
+    Under a release that still uses the old name this is how its `generate()` reaches us, so it is
+    silent; under one that deprecated it, the caller is told once, as Transformers' own models do.
+    """
+
+    @functools.wraps(forward)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if LEGACY_CACHE_NAME in kwargs:
+            legacy = kwargs.pop(LEGACY_CACHE_NAME)
+            if kwargs.get("cache") is not None and legacy is not None:
+                raise ValueError("pass the key-value cache once, as `cache` (not also as `past_key_values`)")
+            if legacy is not None:
+                kwargs["cache"] = legacy
+            if CACHE_NAME != LEGACY_CACHE_NAME and not torch.compiler.is_compiling():
+                _warn_legacy_name_once()
+        return forward(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def enable_checkpointing(model: Any, checkpoint_kwargs: dict[str, Any]) -> None:
+    """Turn on a Transformers model's activation checkpointing (or a wrapper's that forwards to one, as
+    a peft model does) with `checkpoint_kwargs` for torch.utils.checkpoint, by the release's name."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+
+
+@functools.cache
+def _warn_legacy_name_once() -> None:
+    logger.warning("`past_key_values` is deprecated by the installed Transformers: pass the cache as `cache`")
+
+
+__all__ = [
+    "CACHE_NAME",
+    "LEGACY_CACHE_NAME",
+    "accepts_legacy_cache_name",
+    "cache_kwarg",
+    "causal_mask",
+    "enable_checkpointing",
+    "output_cache",
+]
