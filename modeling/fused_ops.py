@@ -84,11 +84,26 @@ def _layer_norm_kernels() -> dict:
     import triton
     import triton.language as tl
 
-    # The row kernels walk a row in column blocks of BLOCK lanes (at most COLUMN_BLOCK), so the
-    # registers a program holds do not grow with the width: one power-of-two block for the row
+    # The row kernels walk a row in NUM_BLOCKS column blocks of BLOCK lanes (at most COLUMN_BLOCK), so
+    # the registers a program holds do not grow with the width: one power-of-two block for the row
     # would be 32768 lanes at MT-NLG's 20480 (spilling) and 8192 at T-NLG's 4256 (48% masked).
+    # [Note: compile-time loop counts] Every loop here counts to a constexpr, never to a runtime
+    # argument: Triton 3.6's interpreter (CPU tests) converts a runtime loop bound with int() on a
+    # one-element array, which NumPy >= 2.4 refuses. The counts are few per model (the width is fixed,
+    # the rows per group a power of two), so few kernels are compiled.
     @triton.jit
-    def layer_norm_forward(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    def layer_norm_forward(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        y_ptr,
+        mean_ptr,
+        rstd_ptr,
+        n_cols,
+        eps,
+        BLOCK: tl.constexpr,
+        NUM_BLOCKS: tl.constexpr,
+    ):
         """Statistics in one read of the row (Welford per lane, the lanes merged with Chan et al.'s
         formula: no E[x^2] - E[x]^2 cancellation), then a second read normalizes."""
         row = tl.program_id(0).to(tl.int64)
@@ -96,8 +111,8 @@ def _layer_norm_kernels() -> dict:
         count = tl.zeros([BLOCK], tl.float32)
         lane_mean = tl.zeros([BLOCK], tl.float32)
         lane_m2 = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        for block in range(NUM_BLOCKS):
+            cols = block * BLOCK + tl.arange(0, BLOCK)
             mask = cols < n_cols
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             count += tl.where(mask, 1.0, 0.0)
@@ -108,8 +123,8 @@ def _layer_norm_kernels() -> dict:
         spread = lane_mean - mean
         var = (tl.sum(lane_m2, axis=0) + tl.sum(count * spread * spread, axis=0)) / n_cols
         rstd = 1.0 / tl.sqrt(var + eps)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        for block in range(NUM_BLOCKS):
+            cols = block * BLOCK + tl.arange(0, BLOCK)
             mask = cols < n_cols
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -120,15 +135,25 @@ def _layer_norm_kernels() -> dict:
         tl.store(rstd_ptr + row, rstd)
 
     @triton.jit
-    def layer_norm_backward_dx(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, n_cols, BLOCK: tl.constexpr):
+    def layer_norm_backward_dx(
+        dy_ptr,
+        x_ptr,
+        w_ptr,
+        mean_ptr,
+        rstd_ptr,
+        dx_ptr,
+        n_cols,
+        BLOCK: tl.constexpr,
+        NUM_BLOCKS: tl.constexpr,
+    ):
         """One row: its two sums (xhat * w * dy, w * dy) over the blocks, then dx block by block."""
         row = tl.program_id(0).to(tl.int64)
         mean = tl.load(mean_ptr + row)
         rstd = tl.load(rstd_ptr + row)
         sum_xhat_wdy = tl.zeros([BLOCK], tl.float32)
         sum_wdy = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        for block in range(NUM_BLOCKS):
+            cols = block * BLOCK + tl.arange(0, BLOCK)
             mask = cols < n_cols
             x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
@@ -137,8 +162,8 @@ def _layer_norm_kernels() -> dict:
             sum_wdy += wdy
         c1 = tl.sum(sum_xhat_wdy, axis=0) / n_cols
         c2 = tl.sum(sum_wdy, axis=0) / n_cols
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        for block in range(NUM_BLOCKS):
+            cols = block * BLOCK + tl.arange(0, BLOCK)
             mask = cols < n_cols
             x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
@@ -152,20 +177,28 @@ def _layer_norm_kernels() -> dict:
     # address across loop iterations, which Triton's software pipelining may reorder).
     @triton.jit
     def layer_norm_backward_dwdb(
-        dy_ptr, x_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr, n_rows, n_cols, BLOCK: tl.constexpr
-    ):
-        """Column block program_id(1), rows g, g + G, ... for g = program_id(0) of G: dy * xhat and
+        dy_ptr, x_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr, n_rows, n_cols, BLOCK: tl.constexpr,
+        ROWS_PER_GROUP: tl.constexpr,
+    ):  # fmt: skip
+        """Column block program_id(1), the ROWS_PER_GROUP rows of group g = program_id(0): dy * xhat and
         dy summed in fp32 registers, stored to row g of the (G, n_cols) fp32 partials."""
         group = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
         dw = tl.zeros([BLOCK], tl.float32)
         db = tl.zeros([BLOCK], tl.float32)
-        for row in range(group, n_rows, tl.num_programs(0)):
-            offsets = tl.cast(row, tl.int64) * n_cols + cols  # rows x cols can pass 2^31
-            x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            dw += (x - tl.load(mean_ptr + row)) * tl.load(rstd_ptr + row) * dy  # 0 where masked
+        for index in range(ROWS_PER_GROUP):
+            row = group.to(tl.int64) * ROWS_PER_GROUP + index  # rows x cols can pass 2^31
+            in_rows = row < n_rows  # the last group's rows may run past the end
+            # Every lane masked past the end. Not `mask & in_rows`: Triton 3.9's interpreter gives
+            # that int32 data, which its masked load refuses.
+            row_mask = cols < tl.where(in_rows, n_cols, 0)
+            offsets = row * n_cols + cols
+            x = tl.load(x_ptr + offsets, mask=row_mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + offsets, mask=row_mask, other=0.0).to(tl.float32)
+            mean = tl.load(mean_ptr + row, mask=in_rows, other=0.0)
+            rstd = tl.load(rstd_ptr + row, mask=in_rows, other=0.0)
+            dw += (x - mean) * rstd * dy  # 0 where masked
             db += dy
         tl.store(dw_ptr + group.to(tl.int64) * n_cols + cols, dw, mask=mask)
         tl.store(db_ptr + group.to(tl.int64) * n_cols + cols, db, mask=mask)
@@ -191,8 +224,18 @@ def _bias_gelu_kernels() -> dict:
         tl.store(y_ptr + offsets, (0.5 * z * (1.0 + t)).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def bias_gelu_backward(dy_ptr, x_ptr, b_ptr, dx_ptr, db_ptr, n_rows, n_cols, BLOCK: tl.constexpr):
-        """Column block program_id(1), rows g, g + G, ... for g = program_id(0) of G: dx stored in
+    def bias_gelu_backward(
+        dy_ptr,
+        x_ptr,
+        b_ptr,
+        dx_ptr,
+        db_ptr,
+        n_rows,
+        n_cols,
+        BLOCK: tl.constexpr,
+        ROWS_PER_GROUP: tl.constexpr,
+    ):
+        """Column block program_id(1), the ROWS_PER_GROUP rows of group g = program_id(0): dx stored in
         its dtype row by row, and the bias gradient of those rows summed in fp32 registers into row
         g of the (G, n_cols) fp32 partials. No fp32 tensor of dx's size is ever made."""
         group = tl.program_id(0)
@@ -200,17 +243,19 @@ def _bias_gelu_kernels() -> dict:
         mask = cols < n_cols
         bias = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         dbias = tl.zeros([BLOCK], tl.float32)
-        for row in range(group, n_rows, tl.num_programs(0)):
-            offsets = tl.cast(row, tl.int64) * n_cols + cols
-            z = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + bias
-            dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        for index in range(ROWS_PER_GROUP):  # [Note: compile-time loop counts]
+            row = group.to(tl.int64) * ROWS_PER_GROUP + index
+            row_mask = cols < tl.where(row < n_rows, n_cols, 0)  # as in layer_norm_backward_dwdb
+            offsets = row * n_cols + cols
+            z = tl.load(x_ptr + offsets, mask=row_mask, other=0.0).to(tl.float32) + bias
+            dy = tl.load(dy_ptr + offsets, mask=row_mask, other=0.0).to(tl.float32)
             u2 = tl.minimum(tl.maximum(2.0 * 0.7978845608028654 * (z + 0.044715 * z * z * z), -40.0), 40.0)
             t = 1.0 - 2.0 / (tl.exp(u2) + 1.0)
             slope = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (
                 1.0 + 3.0 * 0.044715 * z * z
             )
             dx = dy * slope  # 0 where masked: dy is
-            tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_mask)
             dbias += dx
         tl.store(db_ptr + group.to(tl.int64) * n_cols + cols, dbias, mask=mask)
 
@@ -279,14 +324,19 @@ def _column_block(n_cols: int) -> int:
     return min(_row_block(n_cols), COLUMN_BLOCK)
 
 
-def _row_groups(rows: int, column_blocks: int, device: torch.device) -> int:
-    """Programs along the rows (per column block) for the kernels that sum weight / bias gradients
-    over rows: about four programs per SM in all. Each stores one row of fp32 partial sums, so the
-    partials are (groups, width), not the (tokens, width) fp32 product a torch sum would make."""
+def _row_groups(rows: int, column_blocks: int, device: torch.device) -> tuple[int, int]:
+    """(groups, rows per group) along the rows (per column block) for the kernels that sum weight / bias
+    gradients over rows: about four programs per SM in all. Each stores one row of fp32 partial sums,
+    so the partials are (groups, width), not the (tokens, width) fp32 product a torch sum would make.
+    The rows per group are a power of two ([Note: compile-time loop counts]): batch shapes that differ
+    compile a few kernels, not one each; the groups then number between half the target and it."""
     if device.type != "cuda":
-        return max(1, min(rows, CPU_ROW_GROUPS))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(rows, 4 * sms // column_blocks))
+        target = max(1, min(rows, CPU_ROW_GROUPS))
+    else:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        target = max(1, min(rows, 4 * sms // column_blocks))
+    per_group = _row_block(-(-rows // target))
+    return -(-rows // per_group), per_group
 
 
 # ---------------------------------------------------------------------------- LayerNorm
@@ -302,8 +352,9 @@ class _LayerNorm(torch.autograd.Function):
         block = _column_block(cols)
         if rows:
             _layer_norm_kernels()["forward"][(rows,)](
-                x2, weight, bias, y, mean, rstd, cols, eps, BLOCK=block, num_warps=_warps(block)
-            )
+                x2, weight, bias, y, mean, rstd, cols, eps,
+                BLOCK=block, NUM_BLOCKS=-(-cols // block), num_warps=_warps(block),
+            )  # fmt: skip
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.shape = shape
         return y.reshape(shape)
@@ -316,15 +367,18 @@ class _LayerNorm(torch.autograd.Function):
         dx = torch.empty_like(x2)
         block = _column_block(cols)
         column_blocks = (cols + block - 1) // block
-        groups = _row_groups(rows, column_blocks, x2.device) if rows else 0
+        groups, per_group = _row_groups(rows, column_blocks, x2.device) if rows else (0, 0)
         partial_dw = torch.empty(groups, cols, dtype=torch.float32, device=x2.device)  # all written
         partial_db = torch.empty(groups, cols, dtype=torch.float32, device=x2.device)
         if rows:
             kernels, warps = _layer_norm_kernels(), _warps(block)
-            kernels["dx"][(rows,)](dy2, x2, weight, mean, rstd, dx, cols, BLOCK=block, num_warps=warps)
-            kernels["dwdb"][(groups, column_blocks)](
-                dy2, x2, mean, rstd, partial_dw, partial_db, rows, cols, BLOCK=block, num_warps=warps
+            kernels["dx"][(rows,)](
+                dy2, x2, weight, mean, rstd, dx, cols, BLOCK=block, NUM_BLOCKS=column_blocks, num_warps=warps
             )
+            kernels["dwdb"][(groups, column_blocks)](
+                dy2, x2, mean, rstd, partial_dw, partial_db, rows, cols,
+                BLOCK=block, ROWS_PER_GROUP=per_group, num_warps=warps,
+            )  # fmt: skip
         dweight = partial_dw.sum(0).to(weight.dtype)
         dbias = partial_db.sum(0).to(weight.dtype)
         return dx.reshape(ctx.shape), dweight, dbias, None, None
@@ -397,12 +451,13 @@ class _BiasGelu(torch.autograd.Function):
         rows = x.numel() // cols if cols else 0
         block = _column_block(cols)
         column_blocks = (cols + block - 1) // block
-        groups = _row_groups(rows, column_blocks, x.device) if rows else 0
+        groups, per_group = _row_groups(rows, column_blocks, x.device) if rows else (0, 0)
         partial_dbias = torch.empty(groups, cols, dtype=torch.float32, device=x.device)  # all written
         if rows:
             _bias_gelu_kernels()["backward"][(groups, column_blocks)](
-                dy, x, bias, dx, partial_dbias, rows, cols, BLOCK=block, num_warps=_warps(block)
-            )
+                dy, x, bias, dx, partial_dbias, rows, cols,
+                BLOCK=block, ROWS_PER_GROUP=per_group, num_warps=_warps(block),
+            )  # fmt: skip
         return dx, partial_dbias.sum(0).to(bias.dtype)
 
 
