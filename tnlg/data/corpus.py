@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import zstandard
+from .optional import require_zstandard
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,7 @@ def _english_docs() -> Iterator[str]:
 
 
 def _write_subset(directory: Path, subset: str, documents: Iterator[str], max_bytes: int) -> None:
+    zstandard = require_zstandard("writing the embedded corpus (.jsonl.zst files)")
     written = 0
     with contextlib.ExitStack() as stack:
         # A checksum per frame: a damaged cached file is then refused, not read as far as it goes.

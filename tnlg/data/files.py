@@ -13,7 +13,8 @@ if it is read as far as it goes. gzip keeps a CRC and a length per member, so a 
 byte in a member is caught; zstd catches a frame that ends early, data it cannot decode, and, when
 the writer stored one (`write_checksum`, as the embedded corpus does), a checksum mismatch. Neither
 format can tell a file cut exactly between two members / frames from a shorter whole file, and zstd
-without a checksum cannot see every changed byte.
+without a checksum cannot see every changed byte. Only `.zst` files need `zstandard`
+([Note: optional datasets] in optional.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-import zstandard
+from .optional import require_zstandard
 
 CHUNK = 1 << 16  # compressed bytes read at a time: bounds one decompressed piece (ratio x 64 KiB)
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
@@ -108,6 +109,7 @@ def _gzip_chunks(raw: BinaryIO, path: Path) -> Iterator[bytes]:
 def _zstd_chunks(raw: BinaryIO, path: Path) -> Iterator[bytes]:
     # One decompression object per frame: a file may hold several frames (pzstd, concatenated files),
     # and a frame that has started but not ended when the bytes run out is a truncated file.
+    zstandard = require_zstandard(f"reading the zstd file {path}")
     decompressor = zstandard.ZstdDecompressor()
     frame, inside = decompressor.decompressobj(), False
     try:

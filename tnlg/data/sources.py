@@ -6,7 +6,8 @@ JSON object per line, the text under `text_field`, the Pile's subset name under
 Instead of files, a source can name a `datasets` dataset (`dataset=`, with `dataset_config` and
 `split`): a hub name when the hub is reachable, or a local dataset directory; it is read with
 `load_dataset(..., streaming=True)`, its rows numbered in the split's order like one file's lines.
-Only parquet files and `dataset=` sources need `datasets` ([Note: optional datasets] in optional.py).
+Only parquet files and `dataset=` sources need `datasets`, and only `.jsonl.zst` files `zstandard`
+([Note: optional datasets] in optional.py).
 
 [Note: record sharding]
 Records (lines, rows) are numbered across the source's files in the epoch's file order; rank r of
@@ -36,10 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import zstandard
-
 from .files import DamagedFileError, expand_path, read_lines
-from .optional import require_datasets
+from .optional import loaded_error_types, require_datasets
 
 logger = logging.getLogger(__name__)
 
@@ -299,8 +298,10 @@ def _dataset_records(split: DatasetSplit) -> Iterator[dict]:
         raise OSError(f"the dataset cannot be opened ({type(error).__name__}: {error})") from error
     try:
         yield from rows
-    except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as error:
-        # datasets decompresses the dataset's files itself: a damaged one surfaces as one of these.
+    except (EOFError, zlib.error, gzip.BadGzipFile, *loaded_error_types(("zstandard", "ZstdError"))) as error:
+        # datasets decompresses the dataset's files itself: a damaged one surfaces as one of these. The
+        # tuple is built when an error arrives: a ZstdError implies zstandard was imported by then, and a
+        # dataset without .zst files must not need it ([Note: optional datasets] in optional.py).
         raise DamagedFileError(
             split, f"a compressed file in it cannot be read ({type(error).__name__}: {error})"
         ) from error
