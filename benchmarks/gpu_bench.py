@@ -230,10 +230,9 @@ def cross_entropy_case(
 
 # ---------------------------------------------------------------------------- training step
 def bench_training(
-    preset: str, micro_batch: int, seq_len: int, device: torch.device, steps: int, adam_kernel: str = "auto"
+    preset: str, micro_batch: int, seq_len: int, device: torch.device, steps: int
 ) -> list[str]:
-    """The step with torch's kernels, then with the fused ones (`adam_kernel`: their
-    ZeroConfig.fused_adam); each label names the Adam that ran."""
+    """The step with torch's kernels, then with the fused ones; each label names the Adam that ran."""
     lines = [
         f"### Training step: {preset}, bf16, micro-batch {micro_batch} x {seq_len} tokens, one GPU, ZeRO stage 0",
         "",
@@ -252,9 +251,7 @@ def bench_training(
         with torch.device("meta"):
             model = TNLGForCausalLM(config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-        zero = ZeroConfig(
-            stage=0, mixed_precision="bf16", fused_adam=adam_kernel if fused == "auto" else "none"
-        )
+        zero = ZeroConfig(stage=0, mixed_precision="bf16", fused_adam="auto" if fused == "auto" else "none")
         engine = initialize(model, optimizer, zero, device=device)
         # The engine resolves "auto" when it is built: the CUDA extension, else Triton; on the CPU torch's.
         adam = engine.optimizer.fused_backend
