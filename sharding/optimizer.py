@@ -45,26 +45,40 @@ logger = logging.getLogger(__name__)
 # elements are each reduced in fp32 and the rows' squares summed in fp64. At 64M elements the norm is
 # then off by 1e-10 (fp32; 1e-8 for bf16, 3e-8 for fp16 gradients), in 5 ms instead of 9 (fp32; 14 ms
 # instead of 88 for bf16); an fp64 reduction is ~15x slower on CPU. Rows longer than 256 elements let
-# torch's fp32 row norm drift by up to 1e-6 on 16-bit values. 16-bit gradients are widened to fp32
-# NORM_BLOCK elements at a time, so no fp32 copy of a whole shard is ever made.
+# torch's fp32 row norm drift by up to 1e-6 on 16-bit values.
+# Where the 16-bit values are widened differs by device. A CPU reduction with an fp32 `dtype` first
+# casts a copy of its whole input, so there 16-bit gradients are widened NORM_BLOCK elements at a
+# time and no fp32 copy of a whole shard is ever made. A CUDA reduction reads bf16/fp16 and
+# accumulates in fp32 inside the kernel (torch's reduction path for low-precision inputs with a float
+# result), so on CUDA each piece is one row-norm kernel plus a few over its 1/256-long result: a
+# blocked walk there launched ~1,900 small kernels per step for 1.3B parameters.
 NORM_ROW = 256
 NORM_BLOCK = 1 << 22
 
 
-def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+def squared_norm(tensor: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """The sum of squares of `tensor`'s elements, as a float64 scalar on its device (see
-    [Note: gradient norm precision]); non-finite when any element is."""
+    [Note: gradient norm precision]); non-finite when any element is. `block` (elements widened at a
+    time) defaults to NORM_BLOCK on the CPU and the whole tensor on CUDA."""
     flat = tensor.reshape(-1)
+    if block is None:
+        block = flat.numel() if flat.is_cuda else NORM_BLOCK
     total = torch.zeros((), dtype=torch.float64, device=flat.device)
-    for block in flat.split(NORM_BLOCK):
-        block = block.float()  # fp32 stays as it is (no copy)
-        whole = block.numel() - block.numel() % NORM_ROW
-        if whole:
-            rows = torch.linalg.vector_norm(block[:whole].view(-1, NORM_ROW), 2, dim=1)
-            total += rows.double().square().sum()
-        if whole < block.numel():
-            total += torch.linalg.vector_norm(block[whole:], 2).double().square()
+    for piece in flat.split(max(block, 1)):
+        _add_squares_in_rows(total, piece)
     return total
+
+
+def _add_squares_in_rows(total: torch.Tensor, values: torch.Tensor) -> None:
+    """total += Σ x² over `values`, reduced in NORM_ROW-element fp32 rows whose squares sum in fp64."""
+    if values.device.type == "cpu":
+        values = values.float()  # the blocked copy (fp32 stays as it is): see the note
+    whole = values.numel() - values.numel() % NORM_ROW
+    if whole:
+        rows = torch.linalg.vector_norm(values[:whole].view(-1, NORM_ROW), 2, dim=1, dtype=torch.float32)
+        total += rows.double().square().sum()
+    if whole < values.numel():
+        total += torch.linalg.vector_norm(values[whole:], 2, dtype=torch.float32).double().square()
 
 
 def _refuse_step_after_close(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

@@ -53,3 +53,25 @@ def test_cuda_pieces_are_256_byte_aligned():
         for unit in group.layout.units:
             assert (unit.piece * 2) % 256 == 0
             assert (unit.shard_offset * 2) % 256 == 0
+
+
+def test_cuda_gradient_norm_is_a_few_large_reductions_with_no_fp32_copy():
+    # [Note: gradient norm precision]: on CUDA a bf16 piece is reduced at once, widened inside the kernel.
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from tnlg.sharding.optimizer import squared_norm
+
+    numel = 64 * 2**20 + 4093  # ends in a partial row
+    values = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).cuda()
+    expected = values.double().square().sum().item()
+    squared_norm(values)  # warm up: the profile below counts one call's kernels only
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        result = squared_norm(values).item()
+    kernels = [event for event in trace.events() if event.device_type.name == "CUDA"]
+    assert result == pytest.approx(expected, rel=1e-6)
+    assert len(kernels) <= 12, [event.name for event in kernels]
+    assert torch.cuda.max_memory_allocated() - before < numel  # under 1 byte an element: no fp32 copy (4)

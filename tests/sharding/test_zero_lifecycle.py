@@ -22,7 +22,7 @@ from tests.support.zero_cases import SMALL
 from tests.support.zero_lifecycle_cases import close_drains_interrupted_work
 from tests.support.zero_models import batches, local, make_model, make_optimizer
 from tnlg.sharding import ZeroConfig, initialize
-from tnlg.sharding.optimizer import squared_norm
+from tnlg.sharding.optimizer import NORM_BLOCK, NORM_ROW, squared_norm
 from tnlg.tools.spawn import free_port, run_distributed
 
 CONFIGS = {
@@ -200,11 +200,23 @@ def test_the_squared_norm_of_64m_elements_is_exact_to_float64(dtype):
     assert squared_norm(values).item() == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_squared_norm_in_one_pass_as_cuda_takes_it_equals_the_blocked_walk(dtype):
+    # CUDA reduces each piece at once (no block split); the rows and their fp64 sum are the same.
+    values = torch.randn(3 * NORM_BLOCK + 1000, generator=torch.Generator().manual_seed(1)).to(dtype)
+    blocked = squared_norm(values)
+    assert squared_norm(values, block=values.numel()).item() == pytest.approx(blocked.item(), rel=1e-12)
+    # Blocks that end mid-row regroup the rows: still exact to float64 within the note's bound.
+    expected = values.double().square().sum().item()
+    assert squared_norm(values, block=NORM_BLOCK + NORM_ROW // 2).item() == pytest.approx(expected, rel=1e-6)
+
+
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-def test_a_non_finite_gradient_gives_a_non_finite_norm(bad):
+@pytest.mark.parametrize("block", [None, 4096 + 3])
+def test_a_non_finite_gradient_gives_a_non_finite_norm(bad, block):
     values = torch.ones(3 * 4096 + 5)
     values[4096 + 7] = bad
-    assert not torch.isfinite(squared_norm(values))
+    assert not torch.isfinite(squared_norm(values, block=block))
 
 
 class _Dot(nn.Module):
