@@ -27,7 +27,7 @@ from tnlg.inference.distributed import (
 from tnlg.inference.generation import generate_texts, load_model_and_tokenizer
 from tnlg.inference.settings import GenerationSettings
 from tnlg.run.cli import exit_on_input_error
-from tnlg.sharding import ZeroConfig
+from tnlg.sharding.deepspeed import zero_config_from
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         use_cache=not args.no_cache,
     )
     if distributed or args.zero_stage is not None or args.zero_config:
-        config = ZeroConfig.coerce(args.zero_config)
+        config = zero_config_from(args.zero_config)
         if args.zero_stage is not None:
             config = config.replace(stage=args.zero_stage)
         engine, tokenizer = load_sharded_model(

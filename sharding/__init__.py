@@ -19,6 +19,8 @@ from .deepspeed import (
     WarmupLR,
     load_deepspeed,
     parse_deepspeed,
+    zero_config_from,
+    zero_config_from_deepspeed,
 )
 from .engine import ZeroEngine, initialize
 from .init import init_weights, materialize
@@ -46,4 +48,6 @@ __all__ = [
     "meta_from_pretrained",
     "parse_deepspeed",
     "set_pretrained_source",
+    "zero_config_from",
+    "zero_config_from_deepspeed",
 ]

@@ -24,13 +24,7 @@ from torch import nn
 from .checkpoint import load_engine, save_engine, tensor_layout
 from .collectives import Collectives, CommStats
 from .config import ZeroConfig
-from .deepspeed import (
-    DeepSpeedConfig,
-    engine_optimizer,
-    engine_settings,
-    read_scheduler_state,
-    save_scheduler_state,
-)
+from .deepspeed import DeepSpeedConfig, engine_optimizer, engine_settings
 from .flat_group import FlatGroup
 from .grads import GradientReducer
 from .init import materialize
@@ -53,6 +47,7 @@ from .pipeline import PipelineRunner, keep_stage_parameters
 from .plan import ShardingPlan, plan_sharding
 from .pretrained import SOURCE_ATTRIBUTE, PretrainedSource, load_pretrained
 from .schedule import eval_batch, train_batch
+from .scheduler_state import read_scheduler_state, save_scheduler_state
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@ from tests.support import REPO
 from tnlg.modeling import TNLGConfig
 from tnlg.run.config import load_run_config
 from tnlg.run.pretrain import stream_config
-from tnlg.sharding import ParallelDims, ZeroConfig
+from tnlg.sharding import ParallelDims
+from tnlg.sharding.deepspeed import zero_config_from_deepspeed
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -102,7 +103,7 @@ def test_the_big_configs_are_sized_with_checkpointing_and_turn_it_on(name):
 
 
 def test_the_example_deepspeed_config_parses():
-    config = ZeroConfig.from_deepspeed(
+    config = zero_config_from_deepspeed(
         REPO / "configs" / "deepspeed" / "zero3-bf16.json",
         mixed_precision="bf16",
     )

@@ -1,4 +1,4 @@
-"""ZeroConfig: field validation, `coerce`, and the DeepSpeed JSON parser."""
+"""ZeroConfig: field validation, `zero_config_from`, and the DeepSpeed JSON parser."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import re
 import pytest
 
 from tnlg.sharding import ZeroConfig, parse_deepspeed
+from tnlg.sharding.deepspeed import zero_config_from, zero_config_from_deepspeed
 
 
 def hf_zero3() -> dict:
@@ -156,7 +157,7 @@ def test_hf_zero3_maps_every_field_and_lists_ignored_keys():
     )
     assert config == expected
     assert type(config.max_live_parameters) is int  # 1e9 in JSON
-    # optimizer, scheduler and the batch keys are applied now (sharding/deepspeed.py), not ignored.
+    # optimizer, scheduler and the batch keys are applied now (sharding/deepspeed/reader.py), not ignored.
     assert ignored == [
         "zero_optimization.offload_optimizer.pin_memory",
         "zero_optimization.contiguous_gradients",
@@ -171,7 +172,7 @@ def test_zero2_json_file_and_ignored_keys_warning(tmp_path, caplog):
     path = tmp_path / "ds_zero2.json"
     path.write_text(json.dumps(zero2(), indent=2))
     with caplog.at_level(logging.INFO, logger="tnlg.sharding.deepspeed"):
-        config = ZeroConfig.from_deepspeed(path)
+        config = zero_config_from_deepspeed(path)
     assert config == ZeroConfig(
         stage=2,
         mixed_precision="fp16",
@@ -190,7 +191,7 @@ def test_zero2_json_file_and_ignored_keys_warning(tmp_path, caplog):
 
 def test_built_in_keys_and_null_offload_are_not_warned_about(caplog):
     with caplog.at_level(logging.WARNING):
-        config = ZeroConfig.from_deepspeed(zero(stage=3, contiguous_gradients=True, offload_param=None))
+        config = zero_config_from_deepspeed(zero(stage=3, contiguous_gradients=True, offload_param=None))
     assert config == ZeroConfig(stage=3)
     assert caplog.records == []
 
@@ -266,21 +267,21 @@ def test_bad_json_file_names_the_file(tmp_path, text, message):
     path = tmp_path / "broken.json"
     path.write_text(text)
     with pytest.raises(ValueError, match=re.escape(str(path)) + ".*" + message):
-        ZeroConfig.from_deepspeed(str(path))
+        zero_config_from_deepspeed(str(path))
 
 
-def test_coerce(tmp_path):
-    assert ZeroConfig.coerce(None) == ZeroConfig()
+def test_zero_config_from(tmp_path):
+    assert zero_config_from(None) == ZeroConfig()
     config = ZeroConfig(stage=1)
-    assert ZeroConfig.coerce(config) is config
+    assert zero_config_from(config) is config
     fields = {"stage": 2, "mixed_precision": "bf16"}
-    assert ZeroConfig.coerce(fields) == ZeroConfig(**fields)
-    assert ZeroConfig.coerce({"gradient_clipping": "auto"}) == ZeroConfig()
-    assert ZeroConfig.coerce(zero2()).reduce_bucket_size == 200_000_000
+    assert zero_config_from(fields) == ZeroConfig(**fields)
+    assert zero_config_from({"gradient_clipping": "auto"}) == ZeroConfig()
+    assert zero_config_from(zero2()).reduce_bucket_size == 200_000_000
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(hf_zero3()))
-    assert ZeroConfig.coerce(path).stage == ZeroConfig.coerce(str(path)).stage == 3
+    assert zero_config_from(path).stage == zero_config_from(str(path)).stage == 3
     with pytest.raises(ValueError, match="not ZeroConfig fields: stag3"):
-        ZeroConfig.coerce({"stage": 2, "stag3": 3})
+        zero_config_from({"stage": 2, "stag3": 3})
     with pytest.raises(TypeError, match="got int"):
-        ZeroConfig.coerce(3)
+        zero_config_from(3)

@@ -36,6 +36,7 @@ from tnlg.sharding import (
     load_deepspeed,
     parse_deepspeed,
 )
+from tnlg.sharding.deepspeed import zero_config_from, zero_config_from_deepspeed
 from tnlg.tools.spawn import run_distributed
 
 CONFIGS = REPO / "configs" / "deepspeed"
@@ -68,7 +69,7 @@ CONFIGS = REPO / "configs" / "deepspeed"
 )
 def test_unknown_keys_at_every_level_are_errors_naming_the_path_and_the_likely_key(ds, named):
     with pytest.raises(ValueError, match="invalid DeepSpeed config: unknown keys .*" + re.escape(named)):
-        ZeroConfig.from_deepspeed(ds)
+        zero_config_from_deepspeed(ds)
 
 
 def test_a_stage_typo_no_longer_trains_at_stage_0():
@@ -81,7 +82,7 @@ def test_every_unknown_key_is_named_in_one_error_and_a_file_error_names_the_file
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"stpes_per_print": 1, **zero(stage=2, reduce_bucket_sise=5)}))
     with pytest.raises(ValueError) as error:
-        ZeroConfig.coerce(path)
+        zero_config_from(path)
     message = str(error.value)
     assert message.startswith(f"{path}: invalid DeepSpeed config: unknown keys ")
     assert "stpes_per_print (did you mean 'steps_per_print'?)" in message
@@ -201,15 +202,15 @@ def test_unsupported_optimizer_and_scheduler_types_list_the_supported_ones(ds, m
         ({"overlap_com": True}, r"overlap_com \(did you mean 'overlap_comm'\?\)"),
     ],
 )
-def test_coerce_refuses_a_dict_that_mixes_or_misspells_keys(config, message):
+def test_zero_config_from_refuses_a_dict_that_mixes_or_misspells_keys(config, message):
     with pytest.raises(ValueError, match=message):
-        ZeroConfig.coerce(config)
+        zero_config_from(config)
 
 
 def test_a_json_file_of_zero_config_fields_is_read_as_fields(tmp_path):
     path = tmp_path / "zero.json"
     path.write_text('{"stage": 2, "overlap_comm": false}')
-    assert ZeroConfig.coerce(path) == ZeroConfig(stage=2, overlap_comm=False)
+    assert zero_config_from(path) == ZeroConfig(stage=2, overlap_comm=False)
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.json")), ids=lambda p: p.stem)
@@ -220,7 +221,7 @@ def test_every_committed_deepspeed_config_loads(path):
 
 
 # ------------------------------------------------------------------------------------------ overrides
-def test_from_deepspeed_overrides_fill_unset_fields_and_refuse_disagreeing_ones(tmp_path):
+def test_zero_config_from_deepspeed_overrides_fill_unset_fields_and_refuse_disagreeing_ones(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(
         json.dumps(
@@ -231,7 +232,7 @@ def test_from_deepspeed_overrides_fill_unset_fields_and_refuse_disagreeing_ones(
         )
     )
     names = {"stage": "--zero.stage", "initial_loss_scale": "--zero.initial_loss_scale"}
-    config = ZeroConfig.from_deepspeed(
+    config = zero_config_from_deepspeed(
         path,
         overrides={"stage": 3, "reduce_bucket_size": 1000, "gradient_clipping": 1.0},
         override_names=names,
@@ -240,20 +241,20 @@ def test_from_deepspeed_overrides_fill_unset_fields_and_refuse_disagreeing_ones(
     with pytest.raises(
         ValueError, match=re.escape(f"--zero.stage 1 conflicts with zero_optimization.stage 3 in {path}")
     ):
-        ZeroConfig.from_deepspeed(path, overrides={"stage": 1}, override_names=names)
+        zero_config_from_deepspeed(path, overrides={"stage": 1}, override_names=names)
     with pytest.raises(
         ValueError,
         match=re.escape(
             "--zero.initial_loss_scale 65536.0 conflicts with fp16.initial_scale_power 12 (= initial_loss_scale 4096.0)"
         ),
     ):
-        ZeroConfig.from_deepspeed(path, overrides={"initial_loss_scale": 65536.0}, override_names=names)
+        zero_config_from_deepspeed(path, overrides={"initial_loss_scale": 65536.0}, override_names=names)
     with pytest.raises(ValueError, match=r"--zero.stage: ZeroConfig\.stage must be one of"):
-        ZeroConfig.from_deepspeed(path, overrides={"stage": 7}, override_names=names)
+        zero_config_from_deepspeed(path, overrides={"stage": 7}, override_names=names)
     with pytest.raises(TypeError, match=r"stgae \(did you mean 'stage'\?\)"):
-        ZeroConfig.from_deepspeed(path, overrides={"stgae": 3})
+        zero_config_from_deepspeed(path, overrides={"stgae": 3})
     with pytest.raises(ValueError, match="offload_param needs stage 3"):
-        ZeroConfig.from_deepspeed(zero(stage=2), overrides={"offload_param": "cpu"})
+        zero_config_from_deepspeed(zero(stage=2), overrides={"offload_param": "cpu"})
 
 
 # ------------------------------------------------------------------------------------------ batch keys
@@ -346,7 +347,7 @@ def test_an_optimizer_passed_with_an_optimizer_section_is_an_error():
 
 def test_auto_optimizer_values_parse_but_are_refused_when_tnlg_builds_them():
     ds = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}, **zero(stage=2)}
-    assert ZeroConfig.from_deepspeed(ds).stage == 2
+    assert zero_config_from_deepspeed(ds).stage == 2
     with pytest.raises(ValueError, match=re.escape('optimizer.params.lr, weight_decay is "auto"')):
         initialize(make_model(), None, ds)
 

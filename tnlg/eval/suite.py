@@ -37,6 +37,7 @@ from tnlg.inference.generation import load_model_and_tokenizer
 from tnlg.inference.ranks import rank_and_world
 from tnlg.inference.settings import GenerationSettings
 from tnlg.sharding import ZeroConfig
+from tnlg.sharding.deepspeed import zero_config_from
 
 RESULTS_FILE = "eval_results.json"
 DATA_SUFFIXES = tuple(sorted(BUILDERS))  # the files read as rows of a text column, not as text
@@ -53,7 +54,7 @@ def load_for_evaluation(
     when several processes are launched and neither says otherwise)."""
     distributed = init_process_group_from_environment()
     if distributed or zero_stage is not None or zero_config is not None:
-        config = ZeroConfig.coerce(zero_config) if zero_config is not None else ZeroConfig(stage=3)
+        config = zero_config_from(zero_config) if zero_config is not None else ZeroConfig(stage=3)
         if zero_stage is not None:
             config = config.replace(stage=zero_stage)
         return load_sharded_model(model_dir, config, dtype=dtype)

@@ -36,6 +36,7 @@ from tnlg.inference.ranks import rank_slice
 from tnlg.inference.settings import GenerationSettings
 from tnlg.modeling import TNLGForCausalLM
 from tnlg.sharding import ZeroConfig, ZeroEngine, initialize, meta_from_pretrained
+from tnlg.sharding.deepspeed import zero_config_from
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def load_sharded_model(
             f"{model_dir!r} is not a checkpoint directory: sharded loading reads a saved model's safetensors"
         )
     loaded = load_tokenizer_for(path, tokenizer)
-    config = ZeroConfig.coerce(zero_config)
+    config = zero_config_from(zero_config)
     if dtype is not None:
         if dtype not in MIXED_PRECISION:
             raise ValueError(f"dtype {dtype} is not one of {sorted(map(str, MIXED_PRECISION))}")
