@@ -293,3 +293,8 @@ class TNLGConfig(PreTrainedConfig):
             f"(head dim {self.head_dim}), {self.max_position_embeddings} positions, vocab {self.vocab_size}: "
             f"{size} parameters"
         )
+
+
+def has_dropout(config: TNLGConfig) -> bool:
+    """Whether any dropout is on: tensor-sliced training must then agree its dropout RNG across the group."""
+    return any((config.embedding_dropout, config.attention_dropout, config.hidden_dropout))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from . import fused_ops, tensor_parallel
-from .configuration_tnlg import TNLGConfig
+from .configuration_tnlg import TNLGConfig, has_dropout
 from .loading import (
     check_weight_files,
     raise_on_mismatch,
@@ -39,6 +39,7 @@ from .loading import (
     weight_files,
     write_checksums,
 )
+from .pipeline import PipelineSplit, split_pipeline
 from .transformers_compat import CACHE_NAME, accepts_legacy_cache_name, cache_kwarg, causal_mask, output_cache
 
 
@@ -325,10 +326,6 @@ def _check_tensor_parallel_load(path: str | os.PathLike | None, kwargs: dict[str
     config.check_tensor_parallel(degree)
 
 
-def has_dropout(config: TNLGConfig) -> bool:
-    return any((config.embedding_dropout, config.attention_dropout, config.hidden_dropout))
-
-
 def _local_directory(path: str | os.PathLike | None, subfolder: str) -> Path | None:
     """The local directory `from_pretrained` reads, or None for a Hub id or no path."""
     if path is None:
@@ -535,6 +532,12 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
                 num_items=kwargs.get("num_items_in_batch"), choice=self.config.fused_kernels,
             )  # fmt: skip
         return None
+
+    def split_pipeline(self, stages: Sequence[int], num_stages: int) -> PipelineSplit:
+        """The model's declared pipeline split, as `base_model_tp_plan` is its declared tensor plan: cut
+        in place down to `stages` of `num_stages` (see [Note: pipeline split] in pipeline.py). Engines
+        call this hook (tnlg.sharding's `parallel.pipeline`), so that they need no TNLG class."""
+        return split_pipeline(self, stages, num_stages)
 
     def pipeline_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last pipeline stage's loss: the mean causal-LM loss of `labels` (B, T; -100 = none) from the

@@ -7,7 +7,8 @@ LayerNorm, the output layer and the loss with the last. Where S does not divide 
 to the stages between first and last, which carry neither the embeddings nor the head.
 
 `split_pipeline(model, stages, num_stages)` cuts a `TNLGForCausalLM` in place for the stages one rank
-holds (one, or several with interleaved schedules: rank r of p holds stages r, r + p, ...). What the
+holds (one, or several with interleaved schedules: rank r of p holds stages r, r + p, ...); the model
+declares it as its `split_pipeline` method, the hook an engine calls. What the
 rank does not hold is replaced by a `DroppedModule` without parameters, so the state-dict names of
 what stays are those of the whole model (`model.layers.17.mlp.fc_in.weight` on whichever stage holds
 layer 17): checkpoints and consolidation need no renaming across layouts.
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from . import tensor_parallel
-from .modeling_tnlg import has_dropout
+from .configuration_tnlg import has_dropout
 from .transformers_compat import causal_mask
 
 
@@ -52,12 +53,6 @@ def stage_layers(num_layers: int, num_stages: int) -> list[range]:
         sizes[stage] += 1
     starts = [sum(sizes[:s]) for s in range(num_stages)]
     return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
-
-
-def rank_stages(pipeline_rank: int, pipeline_degree: int, virtual_stages: int) -> list[int]:
-    """The stages pipeline rank `pipeline_rank` holds: r, r + p, r + 2p, ... (`virtual_stages` of them),
-    the looped placement of torch's interleaved schedules."""
-    return [pipeline_rank + v * pipeline_degree for v in range(virtual_stages)]
 
 
 class DroppedModule(nn.Module):

@@ -18,8 +18,9 @@ that hold that slice, which are its data group.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 if TYPE_CHECKING:
-    from tnlg.modeling.pipeline import PipelineSplit
     from tnlg.modeling.tensor_parallel import TensorSlice
 
 MESH_DIMENSIONS = ("pipeline", "data", "tensor")
@@ -151,30 +151,54 @@ def parallel_groups(
     return parallel if isinstance(parallel, ParallelGroups) else build_groups(parallel)
 
 
+class PipelineSplit(Protocol):
+    """What a model's `split_pipeline(stages, num_stages)` hook returns, as the engine reads it (the
+    model's own type, e.g. tnlg.modeling.pipeline.PipelineSplit, need only have these)."""
+
+    stages: Sequence[nn.Module]  # this rank's stage modules, in stage order: each takes the previous output
+    stage_indices: Sequence[int]
+    num_stages: int
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage's output, labels) -> loss
+    shared: Mapping[str, Sequence[int]]  # {parameter name: the stages that each hold it} (a tied embedding)
+    hidden_size: int  # what the stages send each other: (batch, length, hidden_size)
+    max_positions: int  # the longest sequence they take
+
+
 @dataclass
 class ModelPlan:
     """What the model's declared plans made of it on this rank: its tensor slices by parameter name, and
-    with pipeline stages the split (tnlg.modeling.pipeline.PipelineSplit: this rank's stage modules)."""
+    with pipeline stages the split (this rank's stage modules)."""
 
     tensor_slices: dict[str, TensorSlice]
     pipeline: PipelineSplit | None = None
     dropped: set[int] = field(default_factory=set)  # ids of the parameters other pipeline stages hold
 
 
+def rank_stages(pipeline_rank: int, pipeline_degree: int, virtual_stages: int) -> list[int]:
+    """The stages pipeline rank `pipeline_rank` holds: r, r + p, r + 2p, ... (`virtual_stages` of them),
+    the looped placement of torch's interleaved schedules."""
+    return [pipeline_rank + v * pipeline_degree for v in range(virtual_stages)]
+
+
 def apply_model_plan(module: nn.Module, groups: ParallelGroups) -> ModelPlan:
     """Cut `module` for this rank: first down to its pipeline stages, then its tensor slices, following
-    the plans the model declares (`split_pipeline`, `base_model_tp_plan`). A meta model is cut in shape:
-    the engine initializes each parameter whole and keeps this rank's slice."""
-    # The model declares its plans; cutting them is the model package's, which knows its layouts.
-    from tnlg.modeling.pipeline import rank_stages, split_pipeline
+    the plans the model declares (its `split_pipeline(stages, num_stages)` hook, `base_model_tp_plan`).
+    A meta model is cut in shape: the engine initializes each parameter whole and keeps this rank's
+    slice."""
+    # The model declares its plans; cutting them is the model's, which knows its layouts.
     from tnlg.modeling.tensor_parallel import apply_tensor_parallel
 
     dims = groups.dims
     split, dropped = None, set()
     if dims.pipeline > 1:
+        cut = getattr(module, "split_pipeline", None)
+        if not callable(cut):
+            raise ValueError(
+                f"pipeline stages need a model that declares its split: {type(module).__name__} has no "
+                "split_pipeline(stages, num_stages) method (TNLGForCausalLM has one)"
+            )
         whole = {id(p) for p in module.parameters()}
-        stages = rank_stages(groups.rank("pipeline"), dims.pipeline, dims.virtual_stages)
-        split = split_pipeline(module, stages, dims.num_stages)
+        split = cut(rank_stages(groups.rank("pipeline"), dims.pipeline, dims.virtual_stages), dims.num_stages)
         dropped = whole - {id(p) for p in module.parameters()}
     slices = apply_tensor_parallel(module, groups.tensor) if dims.tensor > 1 else {}
     return ModelPlan(slices, split, dropped)

@@ -36,10 +36,8 @@ from .collectives import Collectives
 from .schedule import check_micro_batch_list
 
 if TYPE_CHECKING:
-    from tnlg.modeling.pipeline import PipelineSplit
-
     from .engine import ZeroEngine
-    from .parallel import ParallelGroups
+    from .parallel import ParallelGroups, PipelineSplit
 
 # What a micro-batch may hold under pipeline stages: the stages pass hidden states only.
 PIPELINE_INPUTS = ("input_ids", "labels", "position_ids")

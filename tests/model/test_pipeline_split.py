@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.support.tensor_parallel_cases import batch, make_model
-from tnlg.modeling.pipeline import DroppedModule, rank_stages, split_pipeline, stage_layers
+from tnlg.modeling.pipeline import DroppedModule, split_pipeline, stage_layers
+from tnlg.sharding.parallel import rank_stages
 
 
 @pytest.mark.parametrize(

@@ -40,9 +40,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tnlg.modeling import TNLGConfig
-from tnlg.modeling.pipeline import rank_stages, stage_layers
+from tnlg.modeling.pipeline import stage_layers
 from tnlg.sharding.config import ZeroConfig
-from tnlg.sharding.parallel import ParallelDims
+from tnlg.sharding.parallel import ParallelDims, rank_stages
 
 logger = logging.getLogger(__name__)
 

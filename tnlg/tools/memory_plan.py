@@ -30,12 +30,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tnlg.modeling.pipeline import rank_stages, split_pipeline
 from tnlg.modeling.tensor_parallel import plan_slices
 from tnlg.sharding.config import ZeroConfig
 from tnlg.sharding.engine import COMPUTE_DTYPES, layout_alignment
 from tnlg.sharding.grads import BUCKETS_IN_FLIGHT
-from tnlg.sharding.parallel import ParallelDims
+from tnlg.sharding.parallel import ParallelDims, rank_stages
 from tnlg.sharding.params import blocks_to_prefetch, prefetch_floor
 from tnlg.sharding.partition import FlatLayout
 from tnlg.sharding.pipeline import keep_stage_parameters
@@ -107,7 +106,7 @@ def plan_rank_memory(
     parameters for the time of the call, `plan_slices`), sharded over the world_size / (t x p) data ranks.
 
     `pipeline_parallel` p (with `virtual_stages`): a copy of the model is cut down to a pipeline rank's
-    stages first, as the engine does (`split_pipeline`, then the tensor slices, then the layout, the
+    stages first, as the engine does (the model's `split_pipeline`, then the tensor slices, then the layout, the
     tied embedding a unit of its own on the first and last stage). `pipeline_rank` picks the rank;
     None plans every one and returns the one needing the most device memory (`pipeline_rank` says
     which; the first on a tie). `model` and `optimizer` are left whole.
@@ -171,7 +170,7 @@ def _pipeline_rank_model(
         return model, optimizer, set()
     model, optimizer = copy.deepcopy((model, optimizer))  # one memo: the optimizer keeps the copy's params
     whole = {id(p) for p in model.parameters()}
-    split = split_pipeline(model, rank_stages(rank, dims.pipeline, dims.virtual_stages), dims.num_stages)
+    split = model.split_pipeline(rank_stages(rank, dims.pipeline, dims.virtual_stages), dims.num_stages)
     keep_stage_parameters(optimizer, whole - {id(p) for p in model.parameters()})
     # the engine's shared (summed) parameters: the trainable ones this rank holds that another stage holds
     held = {name for name, p in model.named_parameters() if p.requires_grad}
