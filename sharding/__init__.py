@@ -7,6 +7,7 @@ engine.backward(loss)
 engine.step()
 """
 
+from .build import initialize
 from .collectives import CommStats
 from .config import ZeroConfig
 from .deepspeed import (
@@ -22,7 +23,7 @@ from .deepspeed import (
     zero_config_from,
     zero_config_from_deepspeed,
 )
-from .engine import ZeroEngine, initialize
+from .engine import ZeroEngine
 from .init import init_weights, materialize
 from .parallel import ParallelDims
 from .pretrained import PretrainedSource, SafetensorsCheckpoint, meta_from_pretrained, set_pretrained_source

@@ -74,7 +74,6 @@ which imports it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -96,6 +95,7 @@ from .checkpoint_files import (
     is_sliced,
     rank_file,
     read_manifest,
+    read_on_every_rank,
     saved_params,
     tnlg_version,
 )
@@ -579,22 +579,6 @@ def _load_unmanaged(engine: EngineState, saved: SavedCheckpoint, tensor: TensorL
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def read_on_every_rank(collectives: Collectives, read: Callable[[], T]) -> T:
-    """`read()` on this rank, then agree: if it raised `CheckpointError` on any rank, every rank
-    raises that error (naming the rank), so none is left waiting in a later collective."""
-    try:
-        result, failure = read(), None
-    except CheckpointError as error:
-        result = None
-        failure = f"rank {collectives.rank}: {error}" if collectives.world_size > 1 else str(error)
-    failures = [f for f in collectives.all_gather_object(failure) if f is not None]
-    if failures:
-        raise CheckpointError(
-            failures[0] + (f" (and {len(failures) - 1} more ranks failed)" if len(failures) > 1 else "")
-        )
-    return result
-
-
 def _fsync(path: Path) -> None:
     with open(path, "rb") as stream:
         os.fsync(stream.fileno())

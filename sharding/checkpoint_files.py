@@ -1,16 +1,17 @@
 """Reading engine checkpoints: the manifests and their checks, and the rank files' slices of any
-parameter at any tensor degree (`SavedCheckpoint`). The format is described in checkpoint.py
+parameter at any tensor degree (`SavedCheckpoint`), and `read_on_every_rank`, which makes the ranks agree
+on a read error. The format is described in checkpoint.py
 ([Note: reshaping], [Note: sliced checkpoints]), which saves and loads engines and re-exports these names.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -18,12 +19,15 @@ import torch
 # routine); the package `tnlg.modeling` is always imported before this one, by `tnlg` itself.
 from tnlg.modeling.loading import CheckpointFileError, open_safetensors, sha256_of
 
+from .collectives import Collectives
 from .json_files import read_json
 from .slice_runs import Cut, divides, local_shape, runs
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
 UNMANAGED_PREFIX = "module."  # rank 0's file: frozen parameters and buffers, as the module holds them
+
+T = TypeVar("T")
 
 
 class CheckpointError(ValueError):
@@ -490,3 +494,19 @@ class SavedCheckpoint:
             for index, part in enumerate(self.parts)
             for rank in range(part.manifest["world_size"])
         ]
+
+
+def read_on_every_rank(collectives: Collectives, read: Callable[[], T]) -> T:
+    """`read()` on this rank, then agree: if it raised `CheckpointError` on any rank, every rank
+    raises that error (naming the rank), so none is left waiting in a later collective."""
+    try:
+        result, failure = read(), None
+    except CheckpointError as error:
+        result = None
+        failure = f"rank {collectives.rank}: {error}" if collectives.world_size > 1 else str(error)
+    failures = [f for f in collectives.all_gather_object(failure) if f is not None]
+    if failures:
+        raise CheckpointError(
+            failures[0] + (f" (and {len(failures) - 1} more ranks failed)" if len(failures) > 1 else "")
+        )
+    return result

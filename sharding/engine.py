@@ -13,41 +13,35 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import load_engine, save_engine, tensor_layout
-from .collectives import Collectives, CommStats
+from .collectives import Collectives
 from .config import ZeroConfig
-from .deepspeed import DeepSpeedConfig, engine_optimizer, engine_settings
+from .engine_state import PipelineStages, StepDriver
+from .fill import cast_frozen_floating_tensors, fill_shards
 from .flat_group import FlatGroup
+from .full_state import full_state_dict
 from .grads import GradientReducer
-from .init import materialize
-from .kernels.fused_adam import ready_backend, steps_like_adam
 from .loss_scaler import LossScaler
 from .offload import Placement
 from .optimizer import ModelParallelNorm, ShardedOptimizer
-from .parallel import (
-    ModelPlan,
-    ParallelDims,
-    ParallelGroups,
-    apply_model_plan,
-    gather_tensor_slices,
-    parallel_groups,
-    shared_parameter_groups,
-)
 from .params import ParameterScheduler
 from .partition import Unit
-from .pipeline import PipelineRunner, keep_stage_parameters
-from .plan import ShardingPlan, plan_sharding
-from .pretrained import SOURCE_ATTRIBUTE, PretrainedSource, load_pretrained
-from .schedule import eval_batch, train_batch
+from .plan import ShardingPlan
+from .pretrained import PretrainedSource
 from .scheduler_state import read_scheduler_state, save_scheduler_state
+
+if TYPE_CHECKING:
+    from tnlg.modeling.tensor_parallel import TensorSlice
+
+    from .parallel import ParallelGroups
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +49,27 @@ COMPUTE_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 # On CUDA each rank's piece of a unit starts on a 256-byte boundary: NCCL and vectorised kernels
 # are fastest on aligned buffers. On CPU the padding would only cost memory.
 CUDA_ALIGNMENT_BYTES = 256
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """Everything an engine is built from, each input already settled into its one typed form by
+    `initialize` (build.py): the engine reads no config file, cuts no model and picks no driver."""
+
+    config: ZeroConfig
+    gradient_accumulation_steps: int  # micro-batches per optimizer step (a DeepSpeed config's; else 1)
+    train_micro_batch_size_per_gpu: int | None  # the DeepSpeed config's, for the user's data loader
+    collectives: Collectives  # over the data-parallel group: what the engine shards across
+    plan: ShardingPlan  # the units and blocks of this rank's (cut) module
+    placement: Placement  # where buffers live (device, offload)
+    driver: StepDriver  # how train_batch / eval_batch run micro-batches
+    fused_adam: str  # the device fused Adam kernel, resolved and built ("none": torch's optimizer step)
+    init_seed: int
+    pretrained: PretrainedSource | None  # a checkpoint a meta model reads its shards from
+    parallel: ParallelGroups | None = None
+    tensor_slices: dict[str, TensorSlice] | None = None  # this rank's slices, by parameter name
+    pipeline: PipelineStages | None = None  # this rank's pipeline stages, if the model is cut into any
+    build_lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None  # a DeepSpeed config's scheduler
 
 
 class ZeroEngine(nn.Module):
@@ -74,54 +89,31 @@ class ZeroEngine(nn.Module):
     `backward` and `step` on every micro-batch, as with DeepSpeed: see `backward` and `step`.
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        config: ZeroConfig | DeepSpeedConfig | Mapping[str, Any] | str | Path | None = None,
-        process_group: dist.ProcessGroup | None = None,
-        *,
-        device: torch.device | str | None = None,
-        init_seed: int = 0,
-        pretrained: PretrainedSource | str | Path | None = None,
-        parallel: ParallelDims | ParallelGroups | None = None,
-    ):
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, parts: EngineParts):
+        """Built by `initialize` (build.py), which settles every input form into `parts` and cuts `module`
+        to this rank's stages and slices first; `optimizer` holds only this rank's parameters."""
         super().__init__()
-        settings = engine_settings(config)  # a DeepSpeed config's training part too (deepspeed.py)
-        self.config = settings.zero
-        # Tensor slicing is applied first, so that the engine shards each rank's slices, over the data
-        # group only (see [Note: parallel layout] in parallel.py).
-        self.parallel = parallel_groups(parallel, process_group)
-        model_plan = apply_model_plan(module, self.parallel) if self.parallel is not None else ModelPlan({})
-        self.tensor_slices = model_plan.tensor_slices
-        if self.parallel is not None:
-            process_group = self.parallel.data
-        optimizer = engine_optimizer(settings, module, optimizer)
-        self.pipeline = None
-        shared = {}
-        if model_plan.pipeline is not None:
-            if optimizer is not None:
-                keep_stage_parameters(optimizer, model_plan.dropped)
-            trainable = {name for name, p in module.named_parameters() if p.requires_grad}
-            shared = shared_parameter_groups(self.parallel, model_plan.pipeline, trainable)
-            self.pipeline = PipelineRunner(model_plan.pipeline, self.parallel, shared)
-        self.collectives = Collectives(process_group, CommStats())
-        self.batch_sizes = settings.batch_sizes(self.collectives.world_size)  # checked before any work
-        plan = plan_sharding(module, optimizer, self.config, own_units=set(shared))
-        _check_backend(plan.device, self.collectives)
+        self.config = parts.config
+        self.parallel = parts.parallel
+        self.tensor_slices = parts.tensor_slices or {}
+        self.pipeline = parts.pipeline
+        self._driver = parts.driver
+        self.collectives = parts.collectives
+        self._accumulation_steps = parts.gradient_accumulation_steps
+        self._micro_batch_size = parts.train_micro_batch_size_per_gpu
+        plan, placement = parts.plan, parts.placement
         self.module = module
         self.compute_dtype = COMPUTE_DTYPES[self.config.mixed_precision]
-        target = _target_device(device, plan.device)
-        placement = Placement(
-            target,
-            optimizer_on_host=self.config.offload_optimizer == "cpu",
-            params_on_host=self.config.offload_param == "cpu",
-        )
         self.groups = self._flat_groups(plan, placement, trainable=optimizer is not None)
-        self._fill_shards(plan.device, target, init_seed, _pretrained_source(module, pretrained))
-        self._cast_frozen_floating_tensors()
+        # what this rank read of a pretrained checkpoint
+        self.pretrained_bytes_read = fill_shards(
+            self, self.tensor_slices, plan.device, placement.device, parts.init_seed, parts.pretrained
+        )
+        cast_frozen_floating_tensors(self.module, self.groups, self.compute_dtype)
         self.loss_scaler = LossScaler(self.config)
-        self.optimizer = self._sharded_optimizer(optimizer, placement) if optimizer is not None else None
+        self.optimizer = (
+            self._sharded_optimizer(optimizer, placement, parts.fused_adam) if optimizer is not None else None
+        )
         self.scheduler = (
             ParameterScheduler(plan.blocks, self.groups, self.config, self.collectives)
             if self.config.partitions_parameters
@@ -135,7 +127,7 @@ class ZeroEngine(nn.Module):
         self._engine_backwards = 0
         # The DeepSpeed config's scheduler, stepped by step() after each applied update.
         self.lr_scheduler = (
-            settings.training.scheduler.build(optimizer) if settings.training.scheduler is not None else None
+            parts.build_lr_scheduler(optimizer) if parts.build_lr_scheduler is not None else None
         )
         if self.config.partitions_parameters and optimizer is not None:
             # Stage 3 training: gathers on a group of their own (see [Note: gather group] in
@@ -172,9 +164,7 @@ class ZeroEngine(nn.Module):
         argument; the model must return a loss), step once, and return the mean loss over the
         micro-batches and the data-parallel ranks. See schedule.py."""
         self._require_optimizer("train_batch")
-        if self.pipeline is not None:
-            return self.pipeline.train_batch(self, micro_batches)
-        return train_batch(self, micro_batches)
+        return self._driver.train_batch(self, micro_batches)
 
     def eval_batch(self, micro_batches: Sequence[Any]) -> torch.Tensor:
         """The mean loss over `micro_batches` (as `train_batch` takes them) and the data-parallel ranks,
@@ -184,9 +174,7 @@ class ZeroEngine(nn.Module):
         training = self.module.training
         self.module.eval()  # no dropout, as for any evaluation; the mode is restored after
         try:
-            if self.pipeline is not None:
-                return self.pipeline.eval_batch(self, micro_batches)
-            return eval_batch(self, micro_batches)
+            return self._driver.eval_batch(self, micro_batches)
         finally:
             self.module.train(training)
 
@@ -227,7 +215,7 @@ class ZeroEngine(nn.Module):
         """
         self._require_optimizer("backward")
         self._engine_backwards += 1
-        steps = self.batch_sizes.gradient_accumulation_steps
+        steps = self._accumulation_steps
         if steps > 1:
             loss = loss / steps
         scale = self.loss_scaler.scale
@@ -266,17 +254,17 @@ class ZeroEngine(nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last of its accumulation window: its backward
         reduces and its step() updates."""
-        return (self.micro_steps + 1) % self.batch_sizes.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self._accumulation_steps == 0
 
     def gradient_accumulation_steps(self) -> int:
         """Micro-batches per optimizer step that the engine accumulates (1 under `ZeroAccelerator`,
         whose own `gradient_accumulation_steps` drives accumulation through `no_sync`)."""
-        return self.batch_sizes.gradient_accumulation_steps
+        return self._accumulation_steps
 
     def train_micro_batch_size_per_gpu(self) -> int | None:
         """The DeepSpeed config's micro batch per rank (None if it sets none): the engine cannot apply
         it to your data loader, so build the loader with it."""
-        return self.batch_sizes.train_micro_batch_size_per_gpu
+        return self._micro_batch_size
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """The global gradient norm (over every rank's shard); the next `step` clips it to `max_norm`.
@@ -305,6 +293,42 @@ class ZeroEngine(nn.Module):
         finally:
             self.reducer.sync = previous
 
+    # ------------------------------------------------------------------ for step drivers (DrivenEngine)
+    @property
+    def comm_device(self) -> torch.device:
+        """Where the collectives run (offloaded shards are on the host, the group's device is not)."""
+        return self.groups[0].device
+
+    @contextlib.contextmanager
+    def scheduled_backwards(self) -> Iterator[None]:
+        """Backward passes a schedule runs itself, on losses it scaled by `loss_scale`: stages 0-1
+        accumulate them and reduce once at the end (a schedule's backwards end on different micro-batches
+        on different stages), stage 3 keeps its root block gathered throughout (its forwards and
+        backwards interleave), and they count as the engine's own, so that `step` catches only a
+        backward run outside both."""
+        self._require_optimizer("scheduled_backwards")
+        accumulate = self.no_sync() if self.config.stage <= 1 else contextlib.nullcontext()
+        before = len(self.reducer.backward_passes)
+        with accumulate, self._root_held():
+            yield
+        if self.config.stage <= 1:
+            self.reducer.reduce_accumulated()
+        self._engine_backwards += len(self.reducer.backward_passes) - before
+
+    @contextlib.contextmanager
+    def scheduled_forwards(self) -> Iterator[None]:
+        """Forward passes a schedule runs itself (evaluation): stage 3 keeps its root block gathered."""
+        with self._root_held():
+            yield
+
+    def _root_held(self) -> contextlib.AbstractContextManager[None]:
+        return self.scheduler.hold_root() if self.scheduler is not None else contextlib.nullcontext()
+
+    def gradient_piece(self, name: str) -> torch.Tensor:
+        """This rank's piece of trainable parameter `name`'s reduced gradient."""
+        group, unit = self.parameter_unit(name)
+        return group.grad_piece(unit)
+
     # ------------------------------------------------------------------ state
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last step, before clipping (None before the first step)."""
@@ -327,71 +351,19 @@ class ZeroEngine(nn.Module):
 
         Sharded parameters come from the fp32 master weights (the exact trained values); frozen
         parameters and buffers as they are. Every rank must call it (it communicates); only rank 0
-        gets the tensors unless `rank0_only=False`. Peak memory beyond the shards: one unit.
+        gets the tensors unless `rank0_only=False`. Peak memory beyond the shards: one unit. See
+        full_state.py.
         """
         self._require_open("full_state_dict")
-        keep = self.collectives.rank == 0 or not rank0_only
-        gathered = self._gathered_master(keep)
-        if not keep:
-            return {}
-        result = {}
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
-            if id(tensor) in gathered:
-                result[name] = gathered[id(tensor)]
-            else:
-                result[name] = tensor.detach().clone().cpu()
-        # Model parallelism: the whole tensors from every tensor rank's slices, then every stage's.
-        if self.tensor_slices:
-            result = self._whole_slices(result)
-            if rank0_only and self.parallel.rank("tensor") != 0:
-                return {}
-        if self.pipeline is not None:
-            result = self._all_stages(result, rank0_only)
-        return result
-
-    def _gathered_master(self, keep: bool) -> dict[int, torch.Tensor]:
-        """{id(parameter): its whole fp32 master value, on the CPU} (empty unless `keep`), all-gathered
-        over the data group one unit at a time. Collective."""
-        gathered: dict[int, torch.Tensor] = {}
-        for group in self.groups:
-            layout = group.layout
-            for unit in layout.units:
-                full = torch.empty(unit.numel, dtype=torch.float32, device=group.device)
-                piece = layout.shard_piece(group.master, unit).to(group.device)  # offloaded: from the host
-                if layout.num_shards == 1:
-                    full.copy_(piece)
-                else:
-                    self.collectives.all_gather(full, piece)
-                if keep:
-                    for index in unit.slots:
-                        slot = layout.slots[index]
-                        gathered[id(group.params[index])] = layout.param_view(full, slot).clone().cpu()
-        return gathered
-
-    def _whole_slices(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`state` with every cut parameter whole, from every tensor rank's slice (under one state-dict
-        key each, tied ones too). Collective over the tensor group."""
-        names = {id(p): name for name, p in self.module.named_parameters()}
-        keys = {key: names.get(id(t)) for key, t in self.module.state_dict(keep_vars=True).items()}
-        local = {name: state[key] for key, name in keys.items() if name is not None}
-        whole = gather_tensor_slices(local, self.tensor_slices, self.parallel.tensor, self.groups[0].device)
-        return {key: whole.get(keys[key], value) for key, value in state.items()}
-
-    def _all_stages(self, state: dict[str, torch.Tensor], rank0_only: bool) -> dict[str, torch.Tensor]:
-        """Every pipeline stage's `state` merged (a tied embedding, on two stages, has the same value on
-        both), on pipeline rank 0 only with `rank0_only` (the others get {}). Collective over the
-        pipeline group."""
-        group = self.parallel.pipeline
-        stages = [{}] * self.parallel.dims.pipeline
-        if rank0_only:
-            first = dist.get_global_rank(group, 0)
-            receiving = dist.get_rank() == first
-            dist.gather_object(state, stages if receiving else None, dst=first, group=group)
-            if not receiving:
-                return {}
-        else:
-            dist.all_gather_object(stages, state, group=group)
-        return {key: value for stage in stages for key, value in stage.items()}
+        return full_state_dict(
+            self.module,
+            self.groups,
+            self.collectives,
+            self.parallel,
+            self.tensor_slices,
+            self.pipeline,
+            rank0_only,
+        )
 
     # ------------------------------------------------------------------ checkpoints (EngineState)
     @property
@@ -419,7 +391,7 @@ class ZeroEngine(nn.Module):
         what it holds (see [Note: sliced checkpoints] and [Note: pipeline checkpoints] in
         checkpoint.py). Collective."""
         self._require_optimizer("save_checkpoint")
-        steps = self.batch_sizes.gradient_accumulation_steps
+        steps = self._accumulation_steps
         if self.micro_steps % steps:
             raise RuntimeError(
                 f"save_checkpoint inside an accumulation window ({self.micro_steps % steps} of {steps} "
@@ -493,27 +465,9 @@ class ZeroEngine(nn.Module):
             for group in plan.groups
         ]
 
-    def _fill_shards(
-        self, planned: torch.device, target: torch.device, seed: int, source: PretrainedSource | None
-    ) -> None:
-        """The groups' buffers from the module's own weights (every rank taking rank 0's), or for a meta
-        model from `source` and/or the seeded initialization."""
-        self.pretrained_bytes_read = 0  # what this rank read of a pretrained checkpoint
-        if planned.type == "meta":
-            self._materialize(seed, target, source)
-            return
-        if source is not None:
-            raise ValueError(
-                f"pretrained={source.path} needs a model built on the meta device (meta_from_pretrained); this "
-                "one already holds weights"
-            )
-        if target != planned:
-            raise ValueError(f"device={target} differs from the model's device {planned}; move the model")
-        self._sync_module_states()
-        for group in self.groups:
-            group.build_from_params()
-
-    def _sharded_optimizer(self, optimizer: torch.optim.Optimizer, placement: Placement) -> ShardedOptimizer:
+    def _sharded_optimizer(
+        self, optimizer: torch.optim.Optimizer, placement: Placement, fused_adam: str
+    ) -> ShardedOptimizer:
         return ShardedOptimizer(
             optimizer,
             self.groups,
@@ -522,9 +476,7 @@ class ZeroEngine(nn.Module):
             self.config.gradient_clipping,
             sharded=self.config.stage >= 1,
             offloaded=placement.optimizer_on_host,
-            fused_adam=_fused_adam_backend(
-                self.config.fused_adam, placement.device, placement.optimizer_on_host, optimizer
-            ),
+            fused_adam=fused_adam,
             model_parallel=self._model_parallel_norm(),
         )
 
@@ -570,114 +522,12 @@ class ZeroEngine(nn.Module):
             on_backward_end=self.scheduler.release_all if self.scheduler else None,
         )
 
-    def _sync_module_states(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers, as DistributedDataParallel does."""
-        if not self.collectives.active:
-            return
-        with torch.no_grad():
-            for tensor in [*self.module.parameters(), *self.module.buffers()]:
-                self.collectives.broadcast(tensor.data, 0)
-
-    def _materialize(self, seed: int, device: torch.device, source: PretrainedSource | None) -> None:
-        """A meta-device model: each rank builds only its shards, from a checkpoint's slices (see
-        [Note: pretrained shards]) and/or the seeded initialization (see [Note: seeded initialization])."""
-        where = {id(p): (group, i) for group in self.groups for i, p in enumerate(group.params)}
-        for group in self.groups:
-            group.allocate()
-        # Tensor slicing: parameters are initialised whole and this rank keeps its slice of each.
-        parameters = dict(self.module.named_parameters())
-        cuts = {id(parameters[name]): cut for name, cut in self.tensor_slices.items()}
-        whole_shapes = {
-            id(parameters[name]): cut.full_shape(parameters[name].shape)
-            for name, cut in self.tensor_slices.items()
-        }
-
-        def keep(param: nn.Parameter, value: torch.Tensor) -> None:
-            if id(param) in cuts:
-                value = cuts[id(param)].local(value)
-            if id(param) in where:
-                group, index = where[id(param)]
-                group.load_slot(index, value)
-            else:  # frozen: kept whole, as on every rank
-                torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=False))
-
-        if source is None:
-            materialize(self.module, seed, device, keep, whole_shapes=whole_shapes)
-        else:
-            loaded = load_pretrained(self, source, device, self.tensor_slices)
-            self.pretrained_bytes_read = loaded.bytes_read
-            if loaded.uninitialized:
-                materialize(
-                    self.module, seed, device, keep, only=loaded.uninitialized, whole_shapes=whole_shapes
-                )
-        for group in self.groups:
-            group.finish()
-
-    def _cast_frozen_floating_tensors(self) -> None:
-        """Frozen parameters compute in the same dtype as the sharded ones."""
-        if self.compute_dtype == torch.float32:
-            return
-        sharded = {id(p) for group in self.groups for p in group.params}  # inference: frozen but sharded
-        for param in self.module.parameters():
-            if not param.requires_grad and param.is_floating_point() and id(param) not in sharded:
-                param.data = param.data.to(self.compute_dtype)
-
-
-def _target_device(requested: torch.device | str | None, planned: torch.device) -> torch.device:
-    """Where the engine's buffers live: `requested`, else the model's device; a meta model's default is
-    the current CUDA device, else the CPU. "cuda" means the current device, as in model.cuda()."""
-    if requested is not None:
-        target = torch.device(requested)
-    elif planned.type == "meta":
-        target = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
-    else:
-        target = planned
-    if target.type == "cuda" and target.index is None:
-        target = torch.device("cuda", torch.cuda.current_device())
-    return target
-
 
 def layout_alignment(device: torch.device, dtype: torch.dtype) -> int:
     """Elements each rank's piece of a unit is aligned to (see CUDA_ALIGNMENT_BYTES)."""
     if device.type != "cuda":
         return 1
     return CUDA_ALIGNMENT_BYTES // torch.tensor([], dtype=dtype).element_size()
-
-
-def _pretrained_source(
-    module: nn.Module, pretrained: PretrainedSource | str | Path | None
-) -> PretrainedSource | None:
-    if pretrained is None:
-        return getattr(module, SOURCE_ATTRIBUTE, None)
-    return pretrained if isinstance(pretrained, PretrainedSource) else PretrainedSource(str(pretrained))
-
-
-def _fused_adam_backend(
-    choice: str, device: torch.device, offloaded: bool, optimizer: torch.optim.Optimizer
-) -> str:
-    """`ZeroConfig.fused_adam` for this device: "auto" means the fused kernels on CUDA only (on CPU,
-    torch's own fused Adam is faster than the reference and Triton has no CPU backend). The kernel is
-    resolved and checked now (`ready_backend`: the CUDA extension built, a kernel that cannot run on
-    `device` named), so that nothing of the kind surfaces inside the first step.
-
-    With the optimizer offloaded the step runs on the host (`CPUAdam`) and no device kernel runs:
-    nothing to resolve or build (ZeroConfig refuses a forced kernel with offload). A forced kernel for an
-    optimizer it cannot step (not a plain torch Adam / AdamW) would not be applied: an error too."""
-    if offloaded:
-        return "none"
-    if choice not in ("auto", "none") and not steps_like_adam(optimizer):
-        raise ValueError(
-            f"ZeroConfig.fused_adam={choice!r} forces a fused Adam kernel, but {type(optimizer).__name__} is not a "
-            "torch Adam / AdamW it can step (maximize, differentiable and tensor hyperparameters excluded); use "
-            "fused_adam='auto' or 'none'"
-        )
-    if choice == "none" or (choice == "auto" and device.type != "cuda"):
-        return "none"
-    return ready_backend(choice, device)
 
 
 def _release_parts(
@@ -699,59 +549,3 @@ def _release_parts(
     for group in groups:
         group.close()
     collectives.close()
-
-
-def _check_backend(device: torch.device, collectives: Collectives) -> None:
-    if not collectives.active:
-        return
-    backend = dist.get_backend(collectives.group)
-    if device.type == "cpu" and "gloo" not in str(backend):
-        raise ValueError(f"the model is on the CPU but the process group's backend is {backend}; use gloo")
-    if device.type == "cuda" and "nccl" not in str(backend):
-        logger.warning(
-            "the model is on CUDA but the process group's backend is %s; NCCL is much faster", backend
-        )
-
-
-def initialize(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    config: ZeroConfig | DeepSpeedConfig | Mapping[str, Any] | str | Path | None = None,
-    process_group: dist.ProcessGroup | None = None,
-    *,
-    device: torch.device | str | None = None,
-    init_seed: int = 0,
-    pretrained: PretrainedSource | str | Path | None = None,
-    parallel: ParallelDims | ParallelGroups | None = None,
-) -> ZeroEngine:
-    """Shard `model` and `optimizer` across the ranks of `process_group` (default: the world).
-
-    A model built on the meta device is materialized shard by shard on `device` (default: the
-    current CUDA device, else the CPU), with `tnlg.sharding.init`'s per-module seeded
-    initialization from `init_seed`: the same values `init_weights(model, init_seed)` gives an
-    unsharded model, at every world size and stage. With `pretrained` (a Transformers safetensors
-    checkpoint; `meta_from_pretrained` records it on the model) each rank reads only its slices of
-    the checkpoint instead (see [Note: pretrained shards] in pretrained.py).
-
-    `optimizer=None` builds an inference-only engine (see `ZeroEngine`): e.g. stage 3 generation
-    of a model too large for one rank; unless `config` is a DeepSpeed config with an `optimizer`
-    section, which is then built over the model's trainable parameters (both is an error). Its
-    `scheduler` section becomes `engine.lr_scheduler`, and its batch keys the engine's gradient
-    accumulation (see `TrainingConfig`).
-
-    `parallel` lays the world out as tensor x pipeline x data (see [Note: parallel layout] in
-    parallel.py): the model is cut down to this rank's pipeline stages, then its declared tensor-parallel
-    plan is applied (a model holding weights must hold the same on every rank; a meta model is
-    initialized whole and cut), and the engine shards over the data-parallel group, instead of
-    `process_group`. With pipeline stages, train with `train_batch` (see pipeline.py).
-    """
-    return ZeroEngine(
-        model,
-        optimizer,
-        config,
-        process_group,
-        device=device,
-        init_seed=init_seed,
-        pretrained=pretrained,
-        parallel=parallel,
-    )

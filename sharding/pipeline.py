@@ -24,7 +24,6 @@ The returned loss is the mean over micro-batches, broadcast from the last stage,
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +35,7 @@ from .collectives import Collectives
 from .schedule import check_micro_batch_list
 
 if TYPE_CHECKING:
-    from .engine import ZeroEngine
+    from .engine_state import DrivenEngine
     from .parallel import ParallelGroups, PipelineSplit
 
 # What a micro-batch may hold under pipeline stages: the stages pass hidden states only.
@@ -68,7 +67,7 @@ class PipelineRunner:
     def holds_last(self) -> bool:
         return self.split.stage_indices[-1] == self.split.num_stages - 1
 
-    def train_batch(self, engine: ZeroEngine, micro_batches: Sequence[Any]) -> torch.Tensor:
+    def train_batch(self, engine: DrivenEngine, micro_batches: Sequence[Any]) -> torch.Tensor:
         """One step over `micro_batches` (see [Note: pipeline schedule under ZeRO])."""
         inputs, labels, positions = _stack(micro_batches, "train_batch", self.split.max_positions)
         count = len(micro_batches)
@@ -77,41 +76,34 @@ class PipelineRunner:
                 f"under pipeline stages train_batch's {count} micro-batches are the step's accumulation; the "
                 f"engine's config accumulates {engine.gradient_accumulation_steps()}: set it to 1"
             )
-        device = engine.groups[0].device
+        device = engine.comm_device
         self._check_stages(device)
         schedule, losses, stages = self._schedule(
             engine, count, tuple(inputs.shape), positions is not None, device
         )
         kwargs = {"position_ids": positions.to(device)} if positions is not None else {}
-        no_sync = engine.no_sync() if engine.config.stage <= 1 else contextlib.nullcontext()
-        hold = engine.scheduler.hold_root() if engine.scheduler is not None else contextlib.nullcontext()
-        before = len(engine.reducer.backward_passes)
-        try:
-            with no_sync, hold:
-                schedule.step(inputs.to(device), target=labels.to(device), **kwargs)
-        finally:
-            self._release(stages)
-        if engine.config.stage <= 1:
-            engine.reducer.reduce_accumulated()
-        self._sum_shared_gradients(engine, device)
-        # The loss function scaled the backwards the schedule ran (fp16), as engine.backward would have;
+        # The loss function scales the backwards the schedule runs (fp16), as engine.backward would;
         # a backward run outside the engine before this call is still caught by the step.
-        engine._engine_backwards += len(engine.reducer.backward_passes) - before
+        with engine.scheduled_backwards():
+            try:
+                schedule.step(inputs.to(device), target=labels.to(device), **kwargs)
+            finally:
+                self._release(stages)
+        self._sum_shared_gradients(engine, device)
         engine.step()
         return self._mean_loss(losses, count, device)
 
-    def eval_batch(self, engine: ZeroEngine, micro_batches: Sequence[Any]) -> torch.Tensor:
+    def eval_batch(self, engine: DrivenEngine, micro_batches: Sequence[Any]) -> torch.Tensor:
         """The mean loss over `micro_batches` and data replicas, forward only (no graph is kept)."""
         inputs, labels, positions = _stack(micro_batches, "eval_batch", self.split.max_positions)
         count = len(micro_batches)
-        device = engine.groups[0].device
+        device = engine.comm_device
         schedule, losses, stages = self._schedule(
             engine, count, tuple(inputs.shape), positions is not None, device
         )
         kwargs = {"position_ids": positions.to(device)} if positions is not None else {}
-        hold = engine.scheduler.hold_root() if engine.scheduler is not None else contextlib.nullcontext()
         try:
-            with torch.no_grad(), hold:
+            with torch.no_grad(), engine.scheduled_forwards():
                 schedule.eval(inputs.to(device), target=labels.to(device), **kwargs)
         finally:
             self._release(stages)
@@ -137,7 +129,7 @@ class PipelineRunner:
     # ------------------------------------------------------------------ schedule
     def _schedule(
         self,
-        engine: ZeroEngine,
+        engine: DrivenEngine,
         count: int,
         shape: tuple[int, ...],
         with_positions: bool,
@@ -177,7 +169,7 @@ class PipelineRunner:
             value = loss(output, target)
             losses.append(value.detach().float())
             # The step's mean over micro-batches, and the fp16 loss scale (the engine unscales).
-            return value.float() * (engine.loss_scaler.scale / count)
+            return value.float() * (engine.loss_scale / count)
 
         if len(stages) == 1:
             schedule = Schedule1F1B(stages[0], count, loss_fn=micro_batch_loss, scale_grads=False)
@@ -194,11 +186,10 @@ class PipelineRunner:
             stage.clear_runtime_states()
 
     # ------------------------------------------------------------------ after the schedule
-    def _sum_shared_gradients(self, engine: ZeroEngine, device: torch.device) -> None:
+    def _sum_shared_gradients(self, engine: DrivenEngine, device: torch.device) -> None:
         """The tied embedding's gradient summed over the stages holding it, on this rank's piece."""
         for name, group in self.shared.items():
-            flat, unit = engine.parameter_unit(name)
-            piece = flat.grad_piece(unit)
+            piece = engine.gradient_piece(name)
             summed = piece.to(device)
             Collectives(group, engine.collectives.stats).all_reduce(summed)
             if summed is not piece:

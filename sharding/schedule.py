@@ -1,4 +1,6 @@
-"""`ZeroEngine.train_batch`: one optimizer step over a list of micro-batches.
+"""`ZeroEngine.train_batch` without pipeline stages: one optimizer step over a list of micro-batches
+(`AccumulationDriver`; pipeline.py's `PipelineRunner` is the other step driver). Both drive the engine
+through `DrivenEngine` (engine_state.py) and are chosen by `initialize` (build.py).
 
 Without pipeline stages the micro-batches run one after another, as gradient accumulation: each loss
 is scaled by 1/K, the first K-1 backwards run under `no_sync` (stages 0-1 then reduce once, at the
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .engine import ZeroEngine
+    from .engine_state import DrivenEngine
 
 
 def micro_batch_loss(output: Any) -> torch.Tensor:
@@ -43,7 +45,7 @@ def check_micro_batch_list(micro_batches: Any, action: str) -> None:
         raise ValueError(f"{action} got no micro-batches")
 
 
-def run_micro_batch(engine: ZeroEngine, micro_batch: Any) -> torch.Tensor:
+def run_micro_batch(engine: DrivenEngine, micro_batch: Any) -> torch.Tensor:
     """The model on one micro-batch: a mapping is keyword arguments, a tuple or list positional ones,
     anything else the one argument."""
     if isinstance(micro_batch, Mapping):
@@ -53,7 +55,7 @@ def run_micro_batch(engine: ZeroEngine, micro_batch: Any) -> torch.Tensor:
     return micro_batch_loss(engine(micro_batch))
 
 
-def train_batch(engine: ZeroEngine, micro_batches: Sequence[Any]) -> torch.Tensor:
+def train_batch(engine: DrivenEngine, micro_batches: Sequence[Any]) -> torch.Tensor:
     """Run `micro_batches`, step once, return the mean loss over them and over the data-parallel ranks
     (a detached fp32 scalar, the same on every rank)."""
     check_micro_batch_list(micro_batches, "train_batch")
@@ -64,7 +66,7 @@ def train_batch(engine: ZeroEngine, micro_batches: Sequence[Any]) -> torch.Tenso
             f"train_batch got {count} micro-batches, but the engine's config accumulates {configured} per step "
             "(gradient_accumulation_steps): pass that many, or leave the config's accumulation at 1"
         )
-    device = engine.groups[0].device  # where the collectives run (NCCL: the GPU)
+    device = engine.comm_device  # where the collectives run (NCCL: the GPU)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for index, micro_batch in enumerate(micro_batches):
         last = index == count - 1
@@ -81,11 +83,11 @@ def train_batch(engine: ZeroEngine, micro_batches: Sequence[Any]) -> torch.Tenso
     return (mean / engine.collectives.world_size).cpu()
 
 
-def eval_batch(engine: ZeroEngine, micro_batches: Sequence[Any]) -> torch.Tensor:
+def eval_batch(engine: DrivenEngine, micro_batches: Sequence[Any]) -> torch.Tensor:
     """The mean loss over `micro_batches` and the data-parallel ranks, without gradients (a detached fp32
     scalar on the CPU, the same on every rank)."""
     check_micro_batch_list(micro_batches, "eval_batch")
-    device = engine.groups[0].device
+    device = engine.comm_device
     total = torch.zeros((), dtype=torch.float32, device=device)
     with torch.no_grad():
         for micro_batch in micro_batches:
@@ -93,3 +95,13 @@ def eval_batch(engine: ZeroEngine, micro_batches: Sequence[Any]) -> torch.Tensor
     mean = total / len(micro_batches)
     engine.collectives.all_reduce(mean)
     return (mean / engine.collectives.world_size).cpu()
+
+
+class AccumulationDriver:
+    """The step driver of an engine without pipeline stages: micro-batches one after another."""
+
+    def train_batch(self, engine: DrivenEngine, micro_batches: Sequence[Any]) -> torch.Tensor:
+        return train_batch(engine, micro_batches)
+
+    def eval_batch(self, engine: DrivenEngine, micro_batches: Sequence[Any]) -> torch.Tensor:
+        return eval_batch(engine, micro_batches)

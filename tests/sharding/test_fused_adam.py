@@ -10,7 +10,6 @@ unset and the CUDA cases test the compiled kernel."""
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import subprocess
 
@@ -21,7 +20,7 @@ from tests.sharding.test_zero_equivalence import assert_states_close
 from tests.support.offload_cases import fused_adam_matrix
 from tests.support.zero_models import make_model, make_optimizer
 from tnlg.sharding import ZeroConfig, initialize
-from tnlg.sharding import engine as engine_module
+from tnlg.sharding import build as build_module
 from tnlg.sharding.kernels.build import ToolchainMissing
 from tnlg.sharding.kernels.cuda_adam import KERNEL_SOURCE, require_cuda_extension
 from tnlg.sharding.kernels.fused_adam import (
@@ -181,17 +180,15 @@ def test_the_engine_refuses_the_cuda_kernel_on_cpu_when_initialized():
 def test_an_offloaded_optimizer_resolves_no_device_kernel_even_on_cuda(monkeypatch):
     """ "auto" on a CUDA device with the optimizer offloaded: the step runs CPUAdam on the host, so no
     device kernel is resolved and the CUDA extension is not built (nvcc may be absent). The device is
-    made to look like CUDA to the optimizer's setup only; `ready_backend` records what it is asked."""
+    made to look like CUDA to the kernel's resolution only; `ready_backend` records what it is asked."""
     asked = []
-    monkeypatch.setattr(engine_module, "ready_backend", lambda *args: asked.append(args) or "cuda")
-    build_optimizer = engine_module.ZeroEngine._sharded_optimizer
+    monkeypatch.setattr(build_module, "ready_backend", lambda *args: asked.append(args) or "cuda")
+    resolve = build_module._fused_adam_backend
 
-    def on_cuda(self, optimizer, placement):
-        return build_optimizer(
-            self, optimizer, dataclasses.replace(placement, device=torch.device("cuda", 0))
-        )
+    def on_cuda(choice, device, offloaded, optimizer):
+        return resolve(choice, torch.device("cuda", 0), offloaded, optimizer)
 
-    monkeypatch.setattr(engine_module.ZeroEngine, "_sharded_optimizer", on_cuda)
+    monkeypatch.setattr(build_module, "_fused_adam_backend", on_cuda)
     model = make_model()
     config = ZeroConfig(stage=2, offload_optimizer="cpu", fused_adam="auto")
     engine = initialize(model, make_optimizer(model), config)
