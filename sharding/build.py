@@ -79,9 +79,17 @@ def initialize(
     # Tensor slicing is applied first, so that the engine shards each rank's slices, over the data
     # group only (see [Note: parallel layout] in parallel.py).
     groups = parallel_groups(parallel, process_group)
-    model_plan = apply_model_plan(model, groups) if groups is not None else ModelPlan({})
     if groups is not None:
         process_group = groups.data
+    collectives = Collectives(process_group, CommStats())
+    batch_sizes = settings.batch_sizes(collectives.world_size)  # checked before any work
+    if groups is not None and groups.dims.pipeline > 1 and batch_sizes.gradient_accumulation_steps != 1:
+        raise ValueError(
+            f"under pipeline stages the micro-batches given to train_batch are the step's accumulation, but "
+            f"{settings.source} accumulates {batch_sizes.gradient_accumulation_steps} per step "
+            "(gradient_accumulation_steps): set it to 1"
+        )
+    model_plan = apply_model_plan(model, groups) if groups is not None else ModelPlan({})
     optimizer = engine_optimizer(settings, model, optimizer)
     pipeline, shared = None, {}
     if model_plan.pipeline is not None:
@@ -90,8 +98,6 @@ def initialize(
         trainable = {name for name, p in model.named_parameters() if p.requires_grad}
         shared = shared_parameter_groups(groups, model_plan.pipeline, trainable)
         pipeline = PipelineRunner(model_plan.pipeline, groups, shared)
-    collectives = Collectives(process_group, CommStats())
-    batch_sizes = settings.batch_sizes(collectives.world_size)  # checked before any work
     plan = plan_sharding(model, optimizer, zero, own_units=set(shared))
     _check_backend(plan.device, collectives)
     placement = Placement(

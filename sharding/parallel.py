@@ -57,7 +57,8 @@ class ParallelDims:
             raise ValueError(f"ParallelDims.data must be an integer >= 1 or None, got {self.data!r}")
         if self.virtual_stages > 1 and self.pipeline == 1:
             raise ValueError(
-                f"ParallelDims.virtual_stages={self.virtual_stages} needs pipeline stages: set pipeline >= 2"
+                f"ParallelDims.virtual_stages={self.virtual_stages} needs pipeline stages: set "
+                "ParallelDims.pipeline >= 2 as well, or leave virtual_stages at 1"
             )
 
     def resolve(self, world_size: int) -> ParallelDims:

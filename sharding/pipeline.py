@@ -71,11 +71,6 @@ class PipelineRunner:
         """One step over `micro_batches` (see [Note: pipeline schedule under ZeRO])."""
         inputs, labels, positions = _stack(micro_batches, "train_batch", self.split.max_positions)
         count = len(micro_batches)
-        if engine.gradient_accumulation_steps() != 1:
-            raise ValueError(
-                f"under pipeline stages train_batch's {count} micro-batches are the step's accumulation; the "
-                f"engine's config accumulates {engine.gradient_accumulation_steps()}: set it to 1"
-            )
         device = engine.comm_device
         self._check_stages(device)
         schedule, losses, stages = self._schedule(

@@ -114,19 +114,6 @@ def _given_accumulation(given: Mapping[str, Any]) -> int | None:
     return given.get("gradient_accumulation_steps")
 
 
-def _with_mixed_precision(settings: DeepSpeedConfig, mixed_precision: str | None) -> DeepSpeedConfig:
-    """The Accelerator's mixed precision fills a config that sets none; a different one is an error."""
-    zero = settings.zero
-    if not mixed_precision or mixed_precision == "no" or zero.mixed_precision == mixed_precision:
-        return settings
-    if zero.mixed_precision != "no":
-        raise ValueError(
-            f"mixed precision: {settings.source} enables {zero.mixed_precision} but the Accelerator was given "
-            f"mixed_precision={mixed_precision!r}: change one of them to agree with the other"
-        )
-    return dataclasses.replace(settings, zero=zero.replace(mixed_precision=mixed_precision))
-
-
 class EngineOptimizer(torch.optim.Optimizer):
     """The optimizer face of a `ZeroEngine`: `step` runs the sharded step, `zero_grad` the engine's.
 
@@ -242,7 +229,11 @@ class ZeroAccelerator(Accelerator):
         )
         # The engine settings (with a DeepSpeed JSON's training part) and their ZeroConfig.
         self.zero_settings = (
-            _with_mixed_precision(settings, mixed_precision) if settings is not None else None
+            settings.with_mixed_precision(
+                mixed_precision, f"the Accelerator's mixed_precision={mixed_precision!r}"
+            )
+            if settings is not None
+            else None
         )
         self.zero_config = self.zero_settings.zero if self.zero_settings is not None else None
         if self.zero_config is not None and not torch.cuda.is_available():

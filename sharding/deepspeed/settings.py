@@ -154,6 +154,21 @@ class DeepSpeedConfig:
         zero = apply_overrides(self.zero, self.zero_sources, self.source, overrides, override_names or {})
         return replace(self, zero=zero)
 
+    def with_mixed_precision(self, mixed_precision: str | None, given: str) -> DeepSpeedConfig:
+        """This config at the launcher's `mixed_precision` (None or "no": whatever the config enables),
+        the one rule every front door follows: it fills a config that enables none, and one that enables
+        another is an error naming both (`given` names the launcher's setting, e.g. "train.mixed_precision
+        bf16")."""
+        zero = self.zero
+        if not mixed_precision or mixed_precision == "no" or zero.mixed_precision == mixed_precision:
+            return self
+        if zero.mixed_precision != "no":
+            raise ValueError(
+                f"{given} conflicts with {self.source}, which enables {zero.mixed_precision}: change one of "
+                "them to agree with the other"
+            )
+        return replace(self, zero=zero.replace(mixed_precision=mixed_precision))
+
     def batch_sizes(self, world_size: int) -> BatchSizes:
         """`TrainingConfig.batch_sizes`, its error naming the config."""
         try:

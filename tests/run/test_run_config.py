@@ -142,7 +142,7 @@ def test_parallel_section_gives_the_engine_its_layout():
 
 
 def test_virtual_stages_need_pipeline_ranks():
-    with pytest.raises(ValueError, match=r"parallel\.virtual_stages 2 .*parallel\.pipeline >= 2"):
+    with pytest.raises(ValueError, match=r"parallel\.virtual_stages=2 .*parallel\.pipeline >= 2"):
         load_run_config(None, ["--parallel.virtual_stages", "2"])
     with pytest.raises(ValueError, match=r"parallel\.virtual_stages must be an integer >= 1, got 0"):
         load_run_config(None, ["--parallel.pipeline", "2", "--parallel.virtual_stages", "0"])

@@ -252,6 +252,15 @@ def test_a_deepspeed_json_fills_what_the_run_leaves_unset(tmp_path):
     assert (zero.stage, zero.reduce_bucket_size, zero.gradient_clipping) == (3, 500_000, 1.0)
 
 
+@pytest.mark.parametrize(("section", "expected"), [({}, "bf16"), ({"bf16": {"enabled": True}}, "bf16")])
+def test_train_mixed_precision_fills_a_deepspeed_json_that_enables_none(tmp_path, section, expected):
+    # The one rule of every front door (DeepSpeedConfig.with_mixed_precision), as ZeroAccelerator applies it.
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, **section}))
+    config = load_run_config(DEBUG, ["--zero.deepspeed", str(path), "--train.mixed_precision", "bf16"])
+    assert config.zero.to_zero_config(config.train.mixed_precision).mixed_precision == expected
+
+
 @pytest.mark.slow
 def test_a_deepspeed_json_accumulation_must_agree_with_the_run(cache, tmp_path):
     path = tmp_path / "ds.json"

@@ -82,7 +82,19 @@ def test_eval_batch_is_the_whole_models_loss(pipeline, tensor):
 
 def test_what_pipeline_stages_cannot_run_is_refused_by_name_on_every_rank():
     results = run_distributed(pipeline_refusals, 2, timeout=300)
-    mask, no_labels, shapes, tuples, forward, label_shape, eval_labels, too_long, flat, positions = results[0]
+    (
+        mask,
+        no_labels,
+        shapes,
+        tuples,
+        forward,
+        label_shape,
+        eval_labels,
+        too_long,
+        flat,
+        positions,
+        accumulating,
+    ) = results[0]
     assert "micro-batch 0: pipeline stages take" in mask and "unsupported: ['attention_mask']" in mask
     assert "missing: ['labels']" in no_labels
     assert "must all have one shape" in shapes
@@ -93,6 +105,10 @@ def test_what_pipeline_stages_cannot_run_is_refused_by_name_on_every_rank():
     assert "sequences of 40 tokens are longer than the model's max_position_embeddings (32)" in too_long
     assert "input_ids must be integer token ids of shape (batch, length)" in flat
     assert "position_ids [1, 5] do not fit input_ids [4, 12]" in positions
+    assert (
+        "pipeline stages the micro-batches given to train_batch are the step's accumulation" in accumulating
+    )
+    assert "accumulates 2 per step (gradient_accumulation_steps): set it to 1" in accumulating
     # Both stages refuse before the schedule starts: neither is left waiting for the other.
     assert results[1][5:] == results[0][5:]
 

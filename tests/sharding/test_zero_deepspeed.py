@@ -532,4 +532,5 @@ def test_the_accelerator_refuses_what_disagrees_with_the_json():
     )
     assert "scheduler section (WarmupLR) and prepare() was given a StepLR" in result["scheduler"]
     assert result["scheduler_alone"] == "accepted"
-    assert "enables bf16 but the Accelerator was given mixed_precision='fp16'" in result["precision"]
+    assert "the Accelerator's mixed_precision='fp16' conflicts with" in result["precision"]
+    assert "which enables bf16" in result["precision"]

@@ -178,21 +178,21 @@ class ParallelSection:
     virtual_stages: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline", "virtual_stages"):
-            value = getattr(self, name)
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-            require(f"parallel.{name}", value, ok, "an integer >= 1")
-        if self.virtual_stages > 1 and self.pipeline == 1:
-            raise ValueError(
-                f"parallel.virtual_stages {self.virtual_stages} divides the layers among pipeline ranks: "
-                "set parallel.pipeline >= 2 as well, or leave virtual_stages at 1"
+        self._checked_dims()  # ParallelDims checks the degrees, here and for the engine alike
+
+    def _checked_dims(self) -> ParallelDims:
+        try:
+            return ParallelDims(
+                tensor=self.tensor, pipeline=self.pipeline, virtual_stages=self.virtual_stages
             )
+        except ValueError as error:  # named as this section's keys
+            raise ValueError(str(error).replace("ParallelDims.", "parallel.")) from None
 
     def dims(self) -> ParallelDims | None:
         """The engine's layout, or None for data parallelism alone."""
         if self.tensor == 1 and self.pipeline == 1:
             return None
-        return ParallelDims(tensor=self.tensor, pipeline=self.pipeline, virtual_stages=self.virtual_stages)
+        return self._checked_dims()
 
 
 @dataclass(kw_only=True)
@@ -258,14 +258,11 @@ class _ZeroSectionBase:
             except ValueError as error:
                 raise ValueError(f"zero: {error}") from error
             return DeepSpeedConfig(zero, source="the run config's zero section")
-        settings = load_deepspeed(self.deepspeed, mixed_precision=mixed_precision).with_overrides(
-            explicit, {name: f"zero.{name}" for name in explicit}
+        settings = (
+            load_deepspeed(self.deepspeed, mixed_precision=mixed_precision)
+            .with_overrides(explicit, {name: f"zero.{name}" for name in explicit})
+            .with_mixed_precision(mixed_precision, f"train.mixed_precision {mixed_precision}")
         )
-        if mixed_precision not in ("no", settings.zero.mixed_precision):
-            raise ValueError(
-                f"train.mixed_precision {mixed_precision} conflicts with {self.deepspeed}, which enables "
-                f"{settings.zero.mixed_precision}: set one of them to agree with the other"
-            )
         # A run builds its AdamW and warmup-cosine schedule from the optimizer section; a second one from
         # the JSON would be ignored or would fight it.
         for section in ("optimizer", "scheduler"):
