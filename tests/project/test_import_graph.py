@@ -101,15 +101,20 @@ def test_the_import_graph_has_no_cycle():
     )
 
 
-def test_modeling_imports_neither_tnlg_nor_sharding():
-    graph = import_graph()
-    offenders = sorted(
+def imports_leaving(package: str, allowed: tuple[str, ...] = ()) -> list[str]:
+    """ "module -> target" for every import from inside `package` to a project module outside it,
+    except those in `allowed`."""
+    return sorted(
         f"{module} -> {target}"
-        for module, targets in graph.items()
-        if module.startswith("tnlg.modeling")
+        for module, targets in import_graph().items()
+        if module.startswith(package)
         for target in targets
-        if not target.startswith("tnlg.modeling")
+        if not target.startswith(package) and target not in allowed
     )
+
+
+def test_modeling_imports_neither_tnlg_nor_sharding():
+    offenders = imports_leaving("tnlg.modeling")
     assert not offenders, offenders
 
 
@@ -120,14 +125,7 @@ SHARDING_MAY_USE = ("tnlg.modeling.loading", "tnlg.modeling.tensor_parallel")
 
 
 def test_sharding_imports_nothing_of_tnlg_above_it_and_no_model_class():
-    graph = import_graph()
-    offenders = sorted(
-        f"{module} -> {target}"
-        for module, targets in graph.items()
-        if module.startswith("tnlg.sharding")
-        for target in targets
-        if not target.startswith("tnlg.sharding") and target not in SHARDING_MAY_USE
-    )
+    offenders = imports_leaving("tnlg.sharding", SHARDING_MAY_USE)
     assert not offenders, offenders
 
 
