@@ -8,10 +8,10 @@ to the stages between first and last, which carry neither the embeddings nor the
 
 `split_pipeline(model, stages, num_stages)` cuts a `TNLGForCausalLM` in place for the stages one rank
 holds (one, or several with interleaved schedules: rank r of p holds stages r, r + p, ...); the model
-declares it as its `split_pipeline` method, the hook an engine calls. What the
-rank does not hold is replaced by a `DroppedModule` without parameters, so the state-dict names of
-what stays are those of the whole model (`model.layers.17.mlp.fc_in.weight` on whichever stage holds
-layer 17): checkpoints and consolidation need no renaming across layouts.
+declares it as its `split_pipeline` method, the hook an engine calls. What the rank does not hold is
+replaced by a `DroppedModule` without parameters, so the state-dict names of what stays are those of
+the whole model (`model.layers.17.mlp.fc_in.weight` on whichever stage holds layer 17): checkpoints and
+consolidation need no renaming across layouts.
 
 With tied word embeddings the last stage keeps the token embedding too, as the weight of its output
 layer: first and last stage then hold the same parameter under the same name, and `PipelineSplit.shared`

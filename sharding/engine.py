@@ -4,8 +4,10 @@ The stage is a policy, not a class hierarchy: `ZeroConfig.stage` decides which b
 `FlatGroup` keeps (flat_group.py), which collective reduces a unit's gradients (grads.py), and
 whether parameters are gathered around their use (params.py).
 
-Checkpoints (checkpoint.py) and pretrained loading (pretrained.py) see the engine through the
-`EngineState` protocol (engine_state.py), which it implements: they import nothing from here.
+It is built by `initialize` (build.py) from settled, typed `EngineParts` only: it reads no config
+form, cuts no model and picks no step driver. Checkpoints (checkpoint.py), pretrained loading
+(pretrained.py) and the step drivers (schedule.py, pipeline.py) see it through the protocols of
+engine_state.py, which it implements: they import nothing from here.
 """
 
 from __future__ import annotations
