@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import gc
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 from benchmarks.gpu_bench import bias_gelu_case, cross_entropy_case, layer_norm_case, relative_error, timed
 from tnlg import TNLGConfig, TNLGForCausalLM
@@ -46,7 +45,7 @@ from tnlg.run.activations import enable_activation_checkpointing
 from tnlg.run.metrics import peak_flops_per_device
 from tnlg.sharding import ZeroConfig, initialize
 from tnlg.sharding.kernels.fused_adam import fused_adam
-from tnlg.tools.convert.gpt2 import _BLOCK_NAMES, _TOP_NAMES
+from tnlg.tools.convert.to_gpt2 import gpt2_config, tnlg_state_to_gpt2
 
 # First-step loss against the fp32 reference, relative. The variants compute in bf16 (8 significant
 # bits) through different kernels (Triton LayerNorm and a bf16 residual stream in tnlg; fp32 LayerNorm
@@ -135,58 +134,13 @@ def tnlg_model(
     return model.train()
 
 
-def gpt2_config(config: TNLGConfig) -> GPT2Config:
-    """The GPT-2 config computing the same function as `config` (the inverse of tnlg_config_from_gpt2)."""
-    return GPT2Config(
-        vocab_size=config.vocab_size,
-        n_positions=config.max_position_embeddings,
-        n_embd=config.hidden_size,
-        n_layer=config.num_hidden_layers,
-        n_head=config.num_attention_heads,
-        n_inner=config.intermediate_size,
-        activation_function=config.hidden_act,
-        layer_norm_epsilon=config.layer_norm_epsilon,
-        initializer_range=config.initializer_range,
-        resid_pdrop=config.hidden_dropout,
-        embd_pdrop=config.embedding_dropout,
-        attn_pdrop=config.attention_dropout,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        tie_word_embeddings=config.tie_word_embeddings,
-        use_cache=False,
-    )
-
-
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
-
-
-def tnlg_state_to_gpt2(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A tnlg state dict in GPT2LMHeadModel's names and layout: `gpt2_state_dict_to_tnlg` inverted, from
-    the same name table (Linear (out, in) weights transposed back to Conv1D's (in, out))."""
-    top = {tnlg: gpt2 for gpt2, tnlg in _TOP_NAMES.items()}
-    block = {tnlg: (gpt2, transpose) for gpt2, (tnlg, transpose) in _BLOCK_NAMES.items()}
-    converted, unknown = {}, []
-    for name, tensor in state.items():
-        layer = _LAYER.match(name)
-        if name == "lm_head.weight":
-            converted[name] = tensor
-        elif name in top:
-            converted[f"transformer.{top[name]}"] = tensor
-        elif layer and layer.group(2) in block:
-            target, transpose = block[layer.group(2)]
-            converted[f"transformer.h.{layer.group(1)}.{target}"] = tensor.t() if transpose else tensor
-        else:
-            unknown.append(name)
-    if unknown:
-        raise ValueError(f"tnlg state dict has tensors with no GPT-2 name: {unknown}")
-    return converted
-
-
 def gpt2_model(
     config: TNLGConfig, state: Mapping[str, torch.Tensor], device: torch.device, checkpointing: bool
 ) -> GPT2LMHeadModel:
+    peer_config = gpt2_config(config)
+    peer_config.use_cache = False  # training: no KV cache kept
     with torch.device(device):
-        model = GPT2LMHeadModel._from_config(gpt2_config(config), attn_implementation="sdpa")
+        model = GPT2LMHeadModel._from_config(peer_config, attn_implementation="sdpa")
     loaded = model.load_state_dict(tnlg_state_to_gpt2(state), strict=False)
     parameters = dict(model.named_parameters())
     missing = [name for name in loaded.missing_keys if name in parameters]  # buffers are no weights

@@ -1,9 +1,10 @@
-"""Convert a GPT-2 (Transformers), Megatron-LM GPT or tnlg ZeRO checkpoint into a TNLG model directory.
+"""Convert checkpoints into a TNLG model directory, or a TNLG model out to a plain GPT-2 directory.
 
     python scripts/convert_checkpoint.py --from gpt2 --input path/to/gpt2 --output out/tnlg-gpt2
     python scripts/convert_checkpoint.py --from megatron --input path/to/megatron/save --output out/tnlg \\
         --vocab-size 50257
     python scripts/convert_checkpoint.py --from zero --input runs/pretrain/checkpoints --output out/model
+    python scripts/convert_checkpoint.py --to gpt2 --input runs/pretrain-debug --output out/gpt2
 
 `--from zero` consolidates an engine checkpoint saved at any world size and stage (a run's
 checkpoint root, one `step-N` checkpoint, a `save_state` directory or a ZeroTrainer `checkpoint-N`),
@@ -12,6 +13,12 @@ streaming tensor by tensor: peak memory is about one output shard.
 The output is sharded safetensors with an index (`TNLGForCausalLM.from_pretrained` and
 `AutoModelForCausalLM.from_pretrained` load it after `import tnlg`), plus the tokenizer files found
 next to the input.
+
+`--to gpt2` writes a `GPT2LMHeadModel` directory instead (model_type gpt2: Transformers,
+lm-evaluation-harness, vLLM, TGI and llama.cpp's converter load it with no tnlg installed). Its input
+is a saved TNLG model (a run's `model/`), an engine checkpoint at any layout, a run's checkpoint root or
+a run directory (its final `model/`, else its latest checkpoint), or with `--from gpt2` / `--from
+megatron` a checkpoint converted on the way. The output directory must be new or empty.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import torch
 from tnlg.run.checkpoint import find_engine_checkpoint
 from tnlg.run.cli import exit_on_input_error
 from tnlg.sharding.consolidate import consolidate
-from tnlg.tools.convert import copy_tokenizer_files, from_gpt2, from_megatron
+from tnlg.tools.convert import copy_tokenizer_files, export_gpt2, from_gpt2, from_megatron
 
 logger = logging.getLogger("convert_checkpoint")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,7 +42,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--from", dest="source_format", choices=["gpt2", "megatron", "zero"], required=True)
+    parser.add_argument(
+        "--from",
+        dest="source_format",
+        choices=["gpt2", "megatron", "zero", "tnlg"],
+        help="the input's format (required unless --to gpt2, which finds a TNLG model or checkpoint itself)",
+    )
+    parser.add_argument(
+        "--to", dest="target_format", choices=["tnlg", "gpt2"], default="tnlg", help="the output's format"
+    )
     parser.add_argument("--input", required=True, type=Path, help="checkpoint directory or file")
     parser.add_argument(
         "--output", required=True, type=Path, help="directory to write the TNLG checkpoint to"
@@ -58,13 +73,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tokenizer.add_argument(
         "--tokenizer-dir", type=Path, help="copy tokenizer files from here (default: input)"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.source_format is None and args.target_format == "tnlg":
+        parser.error("--from is required (gpt2, megatron or zero) unless --to gpt2")
+    if args.source_format == "tnlg" and args.target_format == "tnlg":
+        parser.error("--from tnlg is a TNLG model already: use --to gpt2 to export it")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dtype = DTYPES[args.dtype] if args.dtype else None
+    if args.target_format == "gpt2" and args.source_format in (None, "tnlg", "zero"):
+        return export_to_gpt2(args, find_tnlg_source(args.input, args.source_format), dtype)
     if args.source_format == "zero":
         return consolidate_zero(args, dtype)
     if args.source_format == "gpt2":
@@ -78,9 +100,17 @@ def main(argv: list[str] | None = None) -> None:
             hidden_act=args.hidden_act,
             dtype=dtype,
         )
+    tokenizer_dir = args.tokenizer_dir or (args.input if args.input.is_dir() else args.input.parent)
+    if args.target_format == "gpt2":
+        written = export_gpt2(
+            model, args.output, max_shard_size=args.max_shard_size, tokenizer_dir=tokenizer_dir
+        )
+        logger.info(
+            "exported %s as a GPT2LMHeadModel to %s (%d files)", args.input, args.output, len(written)
+        )
+        return None
     args.output.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.output, max_shard_size=args.max_shard_size)
-    tokenizer_dir = args.tokenizer_dir or (args.input if args.input.is_dir() else args.input.parent)
     copied = copy_tokenizer_files(tokenizer_dir, args.output)
     logger.info("wrote %s (%s) to %s", type(model).__name__, model.config.describe(), args.output)
     logger.info("tokenizer files: %s", ", ".join(copied) if copied else "none found")
@@ -98,6 +128,41 @@ def consolidate_zero(args: argparse.Namespace, dtype: torch.dtype | None) -> Non
     copied = copy_tokenizer_files(tokenizer_dir, args.output) if tokenizer_dir.is_dir() else []
     logger.info("consolidated %s into %d files in %s", checkpoint, len(written), args.output)
     logger.info("tokenizer files: %s", ", ".join(copied) if copied else "none found")
+
+
+def find_tnlg_source(path: Path, source_format: str | None) -> Path:
+    """What `--to gpt2` exports from `path`: a saved TNLG model (its config.json), an engine checkpoint
+    (what `--from zero` reads), or a run directory's final `model/`, else its latest checkpoint."""
+    if source_format != "zero" and (path / "config.json").is_file():
+        return path
+    if source_format is None and (path / "model" / "config.json").is_file():
+        return path / "model"  # a run directory's final model
+    if source_format is None and (path / "checkpoints").is_dir() and not (path / "engine").exists():
+        return find_engine_checkpoint(path / "checkpoints")
+    if source_format == "tnlg":
+        raise FileNotFoundError(f"{path} has no config.json: it is not a saved TNLG model directory")
+    return find_engine_checkpoint(path)
+
+
+def export_to_gpt2(args: argparse.Namespace, source: Path, dtype: torch.dtype | None) -> None:
+    written = export_gpt2(
+        source,
+        args.output,
+        max_shard_size=args.max_shard_size,
+        dtype=dtype,
+        verify=not args.no_verify,
+        tokenizer_dir=args.tokenizer_dir or _tokenizer_next_to(source, args.input),
+    )
+    logger.info("exported %s as a GPT2LMHeadModel to %s (%d files)", source, args.output, len(written))
+
+
+def _tokenizer_next_to(source: Path, given: Path) -> Path:
+    """Where the tokenizer files are: beside the model, or for an engine checkpoint in the run's `model/`
+    or the directory the user named."""
+    for candidate in (source, given / "model", given):
+        if (candidate / "tokenizer_config.json").is_file() or (candidate / "tokenizer.json").is_file():
+            return candidate
+    return source
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,7 +53,25 @@ def consolidate(
     checkpoint, output = Path(checkpoint), Path(output)
     tensors = _SavedTensors(checkpoint, dtype, verify)
     sizes = {name: tensors.nbytes(name) for name in tensors.names}
-    shards = _pack(tensors.names, sizes, parse_size(max_shard_size))
+    written = write_shards(output, tensors.names, tensors.read, sizes, max_shard_size)
+    written.append(write_checksums(output, [path.name for path in written if path.suffix == ".safetensors"]))
+    if (checkpoint / "config.json").is_file():
+        shutil.copyfile(checkpoint / "config.json", output / "config.json")
+        written.append(output / "config.json")
+    return written
+
+
+def write_shards(
+    output: Path,
+    names: list[str],
+    read: Callable[[str], torch.Tensor],
+    sizes: dict[str, int],
+    max_shard_size: int | str,
+) -> list[Path]:
+    """Transformers' safetensors layout of `names` in `output`: one `model.safetensors`, or shards of at
+    most `max_shard_size` bytes (`sizes`) with their index. Each tensor is `read` when its shard is
+    written, so peak memory is about one shard. The directory's previous weights are removed first."""
+    shards = _pack(names, sizes, parse_size(max_shard_size))
     output.mkdir(parents=True, exist_ok=True)
     remove_weight_files(output)
     written, weight_map = [], {}
@@ -63,9 +82,7 @@ def consolidate(
             else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
         )
         save_file(
-            {name: tensors.read(name).contiguous() for name in members},
-            output / file,
-            metadata={"format": "pt"},
+            {name: read(name).contiguous() for name in members}, output / file, metadata={"format": "pt"}
         )
         written.append(output / file)
         weight_map.update(dict.fromkeys(members, file))
@@ -75,10 +92,6 @@ def consolidate(
             json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2)
         )
         written.append(index_file)
-    written.append(write_checksums(output, [path.name for path in written if path.suffix == ".safetensors"]))
-    if (checkpoint / "config.json").is_file():
-        shutil.copyfile(checkpoint / "config.json", output / "config.json")
-        written.append(output / "config.json")
     return written
 
 

@@ -97,6 +97,23 @@ def test_a_run_starts_from_a_saved_model_read_shard_by_shard(run, cache, tmp_pat
 
 
 @pytest.mark.slow
+def test_a_run_with_export_gpt2_leaves_a_gpt2_twin_of_its_model(cache, tmp_path):
+    """train.export_gpt2: model-gpt2/ is a plain GPT2LMHeadModel computing what model/ computes."""
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    launch(
+        tmp_path, cache, "--train.max_steps", "2", "--train.save_every", "0", "--train.export_gpt2", "true"
+    )
+    model = TNLGForCausalLM.from_pretrained(tmp_path / "model").eval()
+    gpt2 = GPT2LMHeadModel.from_pretrained(tmp_path / "model-gpt2").eval()
+    ids = AutoTokenizer.from_pretrained(tmp_path / "model-gpt2")("The pile is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert (model(ids).logits - gpt2(ids).logits).abs().max().item() <= 1e-5
+    settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(ids, **settings), gpt2.generate(ids, **settings))
+
+
+@pytest.mark.slow
 def test_a_resumed_run_continues_with_the_same_losses(run, cache, tmp_path):
     _, losses = run
     launch(tmp_path, cache, "--train.max_steps", "4")

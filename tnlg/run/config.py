@@ -145,6 +145,9 @@ class TrainSection:
     # A new run refuses an output_dir that already holds a run's files (checkpoints, model, loss
     # curve) unless it resumes (--resume) or this is true, which deletes them first.
     overwrite: bool = False
+    # Also write the final model as a plain GPT2LMHeadModel directory (model-gpt2/, see
+    # tnlg.tools.convert.to_gpt2): what lm-eval, vLLM, TGI and llama.cpp load with no tnlg installed.
+    export_gpt2: bool = False
 
     def __post_init__(self) -> None:
         for name in (

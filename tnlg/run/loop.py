@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from tnlg.run.metrics import LossCurve, flat_hyperparameters, peak_flops_per_dev
 from tnlg.run.optim import build_optimizer, build_schedule
 from tnlg.run.output import check_output_directory, remove_run_files
 from tnlg.sharding import ZeroEngine
+from tnlg.tools.convert.to_gpt2 import export_gpt2
 
 logger = logging.getLogger(__name__)
 
@@ -359,6 +361,14 @@ def _after_step(run: Run, step: int, progress: tqdm) -> None:
         )
 
 
+def _export_gpt2(model: Path, target: Path) -> None:
+    """train.export_gpt2: the final model again as a GPT2LMHeadModel directory. It is this run's own
+    output (a resumed run that finishes again writes it anew, as it does model/)."""
+    if target.exists():
+        shutil.rmtree(target)
+    export_gpt2(model, target, max_shard_size="2GB")
+
+
 def _finish(run: Run, evaluation: dict[str, Any]) -> dict[str, Any]:
     """The final model, the loss curve, the run config and the evaluation, written into the output
     directory; then the trackers (and the process group) are closed."""
@@ -370,6 +380,8 @@ def _finish(run: Run, evaluation: dict[str, Any]) -> dict[str, Any]:
         if accelerator.is_main_process:
             run.tokenizer.save_pretrained(final)
     if accelerator.is_main_process:
+        if run.config.train.export_gpt2:
+            _export_gpt2(final, run.output / "model-gpt2")
         run.curve.save(run.output)
         (run.output / "run_config.json").write_text(json.dumps(run.config.to_dict(), indent=2))
         if evaluation:

@@ -13,6 +13,7 @@ logger = logging.getLogger(__name__)
 RUN_FILES = (
     "checkpoints",
     "model",
+    "model-gpt2",
     "logs",
     "loss_curve.json",
     "loss_curve.png",

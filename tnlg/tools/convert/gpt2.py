@@ -22,7 +22,7 @@ from .state_dicts import build_model, load_tensors
 logger = logging.getLogger(__name__)
 
 # GPT-2 name (after the `transformer.` prefix) → (TNLG name, transpose?)
-_BLOCK_NAMES = {
+BLOCK_NAMES = {
     "ln_1.weight": ("input_layernorm.weight", False),
     "ln_1.bias": ("input_layernorm.bias", False),
     "attn.c_attn.weight": ("self_attn.qkv_proj.weight", True),
@@ -36,11 +36,28 @@ _BLOCK_NAMES = {
     "mlp.c_proj.weight": ("mlp.fc_out.weight", True),
     "mlp.c_proj.bias": ("mlp.fc_out.bias", False),
 }
-_TOP_NAMES = {
+TOP_NAMES = {
     "wte.weight": "model.embed_tokens.weight",
     "wpe.weight": "model.embed_positions.weight",
     "ln_f.weight": "model.final_layernorm.weight",
     "ln_f.bias": "model.final_layernorm.bias",
+}
+# TNLGConfig field -> GPT2Config field, for the architecture both compute (the token ids are handled
+# apart: GPT-2 keeps ids outside its vocabulary). Both directions read this one table.
+CONFIG_NAMES = {
+    "vocab_size": "vocab_size",
+    "max_position_embeddings": "n_positions",
+    "hidden_size": "n_embd",
+    "num_hidden_layers": "n_layer",
+    "num_attention_heads": "n_head",
+    "intermediate_size": "n_inner",
+    "hidden_act": "activation_function",
+    "layer_norm_epsilon": "layer_norm_epsilon",
+    "initializer_range": "initializer_range",
+    "embedding_dropout": "embd_pdrop",
+    "attention_dropout": "attn_pdrop",
+    "hidden_dropout": "resid_pdrop",
+    "tie_word_embeddings": "tie_word_embeddings",
 }
 # Causal-mask buffers that old GPT-2 checkpoints saved; TNLG builds masks on the fly.
 _IGNORED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
@@ -58,22 +75,11 @@ def tnlg_config_from_gpt2(gpt2_config: GPT2Config) -> TNLGConfig:
         raise ValueError(
             f"GPT-2 options TNLG does not implement are set: {[k for k, v in unsupported.items() if v]}"
         )
-    return TNLGConfig(
-        vocab_size=gpt2_config.vocab_size,
-        max_position_embeddings=gpt2_config.n_positions,
-        hidden_size=gpt2_config.n_embd,
-        num_hidden_layers=gpt2_config.n_layer,
-        num_attention_heads=gpt2_config.n_head,
-        intermediate_size=gpt2_config.n_inner or 4 * gpt2_config.n_embd,
-        hidden_act=gpt2_config.activation_function,
-        layer_norm_epsilon=gpt2_config.layer_norm_epsilon,
-        initializer_range=gpt2_config.initializer_range,
-        embedding_dropout=float(gpt2_config.embd_pdrop),
-        attention_dropout=float(gpt2_config.attn_pdrop),
-        hidden_dropout=float(gpt2_config.resid_pdrop),
-        **_token_ids_in_vocabulary(gpt2_config),
-        tie_word_embeddings=gpt2_config.tie_word_embeddings,
-    )
+    fields = {tnlg: getattr(gpt2_config, gpt2) for tnlg, gpt2 in CONFIG_NAMES.items()}
+    fields["intermediate_size"] = gpt2_config.n_inner or 4 * gpt2_config.n_embd  # GPT-2's None: 4x
+    for name in ("embedding_dropout", "attention_dropout", "hidden_dropout"):
+        fields[name] = float(fields[name])
+    return TNLGConfig(**fields, **_token_ids_in_vocabulary(gpt2_config))
 
 
 def _token_ids_in_vocabulary(gpt2_config: GPT2Config) -> dict[str, int | list[int] | None]:
@@ -111,12 +117,12 @@ def gpt2_state_dict_to_tnlg(state_dict: Mapping[str, torch.Tensor]) -> dict[str,
         short = name.removeprefix("transformer.")
         if _IGNORED.match(short):
             continue
-        if short in _TOP_NAMES:
-            converted[_TOP_NAMES[short]] = tensor
+        if short in TOP_NAMES:
+            converted[TOP_NAMES[short]] = tensor
             continue
         block = _BLOCK.match(short)
-        if block and block.group(2) in _BLOCK_NAMES:
-            target, transpose = _BLOCK_NAMES[block.group(2)]
+        if block and block.group(2) in BLOCK_NAMES:
+            target, transpose = BLOCK_NAMES[block.group(2)]
             converted[f"model.layers.{block.group(1)}.{target}"] = (
                 tensor.t().contiguous() if transpose else tensor
             )
