@@ -246,6 +246,16 @@ class TNLGPreTrainedModel(PreTrainedModel):
         state_dict = kwargs.get("state_dict")
         variant = kwargs.get("variant")
         directory = _local_directory(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
+        if (
+            directory is not None
+            and kwargs.get("config") is None
+            and not (directory / "config.json").is_file()
+        ):
+            # Transformers would build the default config and then fail on the weights' shapes.
+            raise FileNotFoundError(
+                f"{directory} has no config.json: a saved model directory needs the config next to its "
+                "weights (save_pretrained writes both), or pass config= to from_pretrained"
+            )
         if directory is not None and state_dict is None:  # given a state_dict, no weight file is read
             check_weight_files(directory, weight_files(directory, variant), verify=verify_checksums)
         if kwargs.get("tp_plan") is not None:

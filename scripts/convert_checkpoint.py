@@ -63,12 +63,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-verify", action="store_true", help="zero: skip the sha256 check of the rank files"
     )
     megatron = parser.add_argument_group("megatron")
-    megatron.add_argument("--num-attention-heads", type=int, help="needed when the checkpoint has no args")
+    megatron.add_argument(
+        "--num-attention-heads", type=int, help="default: from the saved args (needed when it has none)"
+    )
     megatron.add_argument("--vocab-size", type=int, help="trim the padded vocabulary to this many rows")
     megatron.add_argument(
         "--checkpoint-version", type=float, help="legacy QKV layout version (default: saved)"
     )
-    megatron.add_argument("--hidden-act", default="gelu_new", help="gelu_new (fused bias-GeLU) or gelu")
+    megatron.add_argument(
+        "--hidden-act",
+        help="gelu_new (fused bias-GeLU) or gelu (default: from the saved args; gelu_new without args)",
+    )
+    megatron.add_argument(
+        "--layer-norm-epsilon", type=float, help="default: from the saved args (1e-5 without args)"
+    )
     tokenizer = parser.add_argument_group("tokenizer")
     tokenizer.add_argument(
         "--tokenizer-dir", type=Path, help="copy tokenizer files from here (default: input)"
@@ -98,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
             vocab_size=args.vocab_size,
             checkpoint_version=args.checkpoint_version,
             hidden_act=args.hidden_act,
+            layer_norm_epsilon=args.layer_norm_epsilon,
             dtype=dtype,
         )
     tokenizer_dir = args.tokenizer_dir or (args.input if args.input.is_dir() else args.input.parent)

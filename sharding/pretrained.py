@@ -87,6 +87,12 @@ def meta_from_pretrained(
     """`model_class` (a Transformers model class) built on the meta device from `path`'s config.json,
     remembering `path`: the ZeRO engine (`initialize`, `ZeroAccelerator.prepare`, `ZeroTrainer`) then
     fills each rank's shards from the checkpoint's safetensors, reading only its slices."""
+    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
+        # Transformers would build a default config, and the load then fail on every tensor's shape.
+        raise FileNotFoundError(
+            f"{path} has no config.json: a saved model directory needs the config next to its weights "
+            "(save_pretrained writes both)"
+        )
     config = model_class.config_class.from_pretrained(path, **config_overrides)
     with torch.device("meta"):
         model = model_class(config)

@@ -112,6 +112,17 @@ def test_a_checkpoint_without_a_record_loads_unverified(single, debug_model):
     assert _same_weights(TNLGForCausalLM.from_pretrained(single), debug_model)
 
 
+@pytest.mark.parametrize("load", ["from_pretrained", "meta_from_pretrained"])
+def test_a_folder_without_config_json_is_named(single, load):
+    # Transformers alone builds the default config, then fails on every tensor's shape.
+    (single / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"single has no config.json"):
+        if load == "from_pretrained":
+            TNLGForCausalLM.from_pretrained(single)
+        else:
+            meta_from_pretrained(TNLGForCausalLM, single)
+
+
 def test_a_shard_the_record_does_not_list_is_refused(sharded):
     record = json.loads((sharded / CHECKSUMS).read_text())
     dropped = _shards(sharded)[0].name

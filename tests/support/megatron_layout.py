@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import enum
 import random
+import signal
 import sys
 import types
 
@@ -193,6 +194,7 @@ def _save_ranks(shards, iteration, pp, num_heads, version, model_type, extra_arg
                         "layernorm_epsilon": 1e-5,
                         "bias_gelu_fusion": True,
                         "model_type": model_type,
+                        "exit_signal": signal.SIGTERM,  # megatron-core 0.19 keeps it as a signal.Signals
                         **extra_args,
                     }
                 ),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import types
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -9,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from scripts.convert_checkpoint import main as convert_main
 from tests.support.megatron_layout import megatron_shards, save_megatron_checkpoint
 from tnlg import TNLGForCausalLM
-from tnlg.tools.convert import from_megatron
+from tnlg.tools.convert import from_megatron, read_megatron_checkpoint
 
 VOCAB, HEADS = 300, 4
 
@@ -141,3 +144,44 @@ def test_unsupported_architecture_args_are_refused(tmp_path, gpt2):
 def test_activation_follows_the_saved_args(tmp_path, gpt2):
     save_megatron_checkpoint(megatron_shards(gpt2), tmp_path, num_heads=HEADS, bias_gelu_fusion=False)
     assert from_megatron(tmp_path, vocab_size=VOCAB).config.hidden_act == "gelu"  # exact GeLU without fusion
+
+
+def test_the_script_takes_activation_and_epsilon_from_the_saved_args_unless_told(tmp_path, gpt2):
+    save_megatron_checkpoint(
+        megatron_shards(gpt2),
+        tmp_path / "megatron",
+        num_heads=HEADS,
+        bias_gelu_fusion=False,
+        layernorm_epsilon=1e-6,
+    )
+    common = ["--from", "megatron", "--input", str(tmp_path / "megatron"), "--vocab-size", str(VOCAB)]
+    convert_main([*common, "--output", str(tmp_path / "saved")])
+    config = TNLGForCausalLM.from_pretrained(tmp_path / "saved").config
+    assert (config.hidden_act, config.layer_norm_epsilon) == ("gelu", 1e-6)
+    convert_main(
+        [
+            *common,
+            "--output",
+            str(tmp_path / "told"),
+            "--hidden-act",
+            "gelu_new",
+            "--layer-norm-epsilon",
+            "1e-5",
+        ]
+    )
+    config = TNLGForCausalLM.from_pretrained(tmp_path / "told").config
+    assert (config.hidden_act, config.layer_norm_epsilon) == ("gelu_new", 1e-5)
+
+
+def test_args_of_megatron_core_types_load_as_inert_data(tmp_path, gpt2):
+    # megatron-core 0.19's args hold enums (exit_signal, in every fixture), paths and namespaces:
+    # read as stubs, never as the live objects, and never refused.
+    save_megatron_checkpoint(
+        megatron_shards(gpt2), tmp_path, num_heads=HEADS,
+        data_cache_path=Path("/data/cache"), tokenizer_args=types.SimpleNamespace(kind="gpt2"),
+    )  # fmt: skip
+    _, metadata = read_megatron_checkpoint(tmp_path)
+    args = metadata["args"]
+    assert type(args.exit_signal).__module__ == "tnlg.tools.convert.stub" and args.exit_signal.args == (15,)
+    assert type(args.data_cache_path).__module__ == "tnlg.tools.convert.stub"
+    assert_same_function(from_megatron(tmp_path, vocab_size=VOCAB), gpt2)

@@ -79,8 +79,9 @@ def load_torch_file(path: str | Path) -> object:
     """`torch.load` with `weights_only=True`, allowing only the plain containers checkpoints carry.
 
     Megatron checkpoints store their arguments as an `argparse.Namespace` and RNG states as numpy
-    arrays; those types are allow-listed. Anything else (arbitrary classes) is refused with the
-    list of globals the file wants, never executed.
+    arrays; those types are allow-listed, and the enums, paths and namespaces inside the args are
+    rebuilt as inert stubs (`_megatron_enum_stubs`). Anything else (arbitrary classes) is refused
+    with the list of globals the file wants, never executed.
     """
     safe = [argparse.Namespace, *_numpy_safe_globals(), *_megatron_enum_stubs(path)]
     try:
@@ -98,8 +99,25 @@ def load_torch_file(path: str | Path) -> object:
         ) from error
 
 
+# Standard-library types Megatron-LM's saved `args` hold as plain data (megatron-core 0.19: the
+# `exit_signal` enum, paths, namespaces). They are rebuilt as inert stubs too, not as themselves: the
+# converter reads a few numbers and flags of the args, never these values.
+INERT_ARG_TYPES = frozenset(
+    {
+        "signal.Signals",
+        "pathlib.Path",
+        "pathlib.PosixPath",
+        "pathlib.PurePosixPath",
+        "pathlib.WindowsPath",
+        "pathlib.PureWindowsPath",
+        "types.SimpleNamespace",
+    }
+)
+
+
 def _megatron_enum_stubs(path: Path) -> list[tuple[type, str]]:
-    """Inert stand-ins for the Megatron enums its saved `args` hold (e.g. `ModelType`).
+    """Inert stand-ins for the Megatron enums its saved `args` hold (e.g. `ModelType`), and for the
+    standard-library types of INERT_ARG_TYPES.
 
     Megatron pickles enum members inside the args; loading them must not import (or execute)
     Megatron. Each stub only records the value it is rebuilt with.
@@ -108,7 +126,11 @@ def _megatron_enum_stubs(path: Path) -> list[tuple[type, str]]:
         wanted = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     except Exception:
         return []
-    return [(_stub_class(name), name) for name in wanted if name.startswith("megatron.")]
+    return [
+        (_stub_class(name), name)
+        for name in wanted
+        if name.startswith("megatron.") or name in INERT_ARG_TYPES
+    ]
 
 
 def _stub_class(qualified_name: str) -> type:
