@@ -12,8 +12,15 @@ size of each weight file in `tnlg_checksums.json` next to them, and every reader
 the engine's sharded loader, `tnlg.tools.convert.load_tensors`) checks the files it reads against that
 record when the directory has one. A file of its own keeps the weights and the index exactly as
 plain Transformers writes and reads them; a directory without it (a plain Transformers save) loads
-unverified. A weight file the record does not list is refused: the files were not all written by
-one save.
+unverified.
+
+Model directories are the user's: pruning, merging adapters, quantizing or a hub tool rewrite their
+weight files and leave the record behind. So a weight file that still reads as safetensors but no
+longer matches the record (another sha256 or size, or a file the record does not list) loads with a
+warning naming it; `verify_checksums="strict"` refuses it instead. Real damage is refused whatever
+the setting: a file the record or the index lists that is missing, one that does not read as
+safetensors (a truncated shard), a record that is not valid. Engine checkpoints, which only tnlg
+writes, are always checked strictly (tnlg/sharding/checkpoint_files.py).
 
 A file that cannot be read (a truncated shard, an index that is not JSON, a pickle renamed to
 .safetensors) is a `CheckpointFileError` naming the file and the problem, never a library's
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable
@@ -37,7 +45,9 @@ CHECKSUMS_FILE = "tnlg_checksums.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"  # Transformers' names for a model's weights
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_CHANGED_ON_PURPOSE = " (changed on purpose? save the model again, or load with verify_checksums=False)"
+STRICT = "strict"  # verify_checksums=STRICT: a file that no longer matches the record is refused
+_CHANGED_ON_PURPOSE = " (changed on purpose? save the model again, or load without verify_checksums='strict')"
+logger = logging.getLogger(__name__)
 
 
 class CheckpointMismatchError(ValueError):
@@ -142,14 +152,15 @@ def _diagnose(path: Path, error: Exception) -> str:
     return f"{error} ({size} bytes: truncated or damaged?)"
 
 
-def check_weight_files(directory: Path, files: Iterable[str], *, verify: bool = True) -> None:
-    """Every file opens as safetensors and, when `verify`, matches the directory's checksum record."""
+def check_weight_files(directory: Path, files: Iterable[str], *, verify: bool | str = True) -> None:
+    """Every file opens as safetensors and, when `verify`, is checked against the directory's checksum
+    record (a changed file a warning, or with `verify="strict"` an error: see [Note: checksums])."""
     files = list(files)
     for name in files:
         with open_safetensors(directory / name):
             pass
     if verify:
-        verify_checksums(directory, files)
+        verify_checksums(directory, files, strict=verify == STRICT)
 
 
 # ---------------------------------------------------------------------------------------------- checksums
@@ -199,38 +210,50 @@ def write_checksums(directory: Path, files: Iterable[str]) -> Path:
     return path
 
 
-def verify_checksums(directory: Path, files: Iterable[str], hashed: Iterable[str] | None = None) -> bool:
+def verify_checksums(
+    directory: Path, files: Iterable[str], hashed: Iterable[str] | None = None, *, strict: bool = False
+) -> bool:
     """Check `files` against `directory`'s checksum record: each must be recorded, with its size;
-    those in `hashed` (default: all) are hashed too. False when the directory has no record."""
+    those in `hashed` (default: all) are hashed too. A file that no longer matches the record is a
+    warning naming it (see [Note: checksums]); with `strict`, a `CheckpointFileError`. A recorded file
+    that is missing is always an error. True when every file matched; False when one did not, or the
+    directory has no record."""
     records = read_checksums(directory)
     if records is None:
         return False
     files = list(files)
     hashed = set(files if hashed is None else hashed)
+    changed: list[tuple[Path, str]] = []
     for name in files:
         path, entry = directory / name, records.get(name)
         if entry is None:
-            raise CheckpointFileError(
-                path,
-                f"has no entry in {directory / CHECKSUMS_FILE}: it was not written by the save that wrote the "
-                f"record (delete {CHECKSUMS_FILE} to load these files unverified)",
+            changed.append(
+                (
+                    path,
+                    f"has no entry in {directory / CHECKSUMS_FILE}: it was not written by the save that wrote the "
+                    "record",
+                )
             )
+            continue
         if not path.is_file():
             raise CheckpointFileError(path, "is missing from the checkpoint")
         size = path.stat().st_size
         if size != entry["bytes"]:
-            raise CheckpointFileError(
-                path,
-                f"is {size} bytes, {CHECKSUMS_FILE} records {entry['bytes']}: truncated or "
-                f"replaced{_CHANGED_ON_PURPOSE}",
+            changed.append((path, f"is {size} bytes, {CHECKSUMS_FILE} records {entry['bytes']}: replaced"))
+        elif name in hashed and sha256_of(path) != entry["sha256"]:
+            changed.append(
+                (path, f"does not match the sha256 recorded in {CHECKSUMS_FILE} when it was saved")
             )
-        if name in hashed and sha256_of(path) != entry["sha256"]:
-            raise CheckpointFileError(
-                path,
-                f"does not match the sha256 recorded in {CHECKSUMS_FILE} when it was saved: the file is "
-                f"corrupt{_CHANGED_ON_PURPOSE}",
-            )
-    return True
+    if changed and strict:
+        path, why = changed[0]
+        raise CheckpointFileError(path, why + _CHANGED_ON_PURPOSE)
+    for path, why in changed:
+        logger.warning(
+            "%s %s: loading it as it is (changed by another tool? verify_checksums='strict' refuses it)",
+            path,
+            why,
+        )
+    return not changed
 
 
 def remove_weight_files(directory: Path, variant: str | None = None) -> None:

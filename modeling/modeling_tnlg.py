@@ -227,7 +227,7 @@ class TNLGPreTrainedModel(PreTrainedModel):
         pretrained_model_name_or_path: str | os.PathLike | None,
         *args: Any,
         strict: bool = True,
-        verify_checksums: bool = True,
+        verify_checksums: bool | str = True,
         **kwargs: Any,
     ):
         """Transformers' `from_pretrained`, failing on missing, unexpected or mis-shaped tensors.
@@ -238,9 +238,10 @@ class TNLGPreTrainedModel(PreTrainedModel):
         tied embedding is one of its `error_msgs`). See `tnlg.modeling.loading` for why.
 
         A local directory's weight files are checked before Transformers reads them: each must
-        open as safetensors, and match the sha256 recorded at save when the directory has a
-        `tnlg_checksums.json` (`verify_checksums=False` skips the hashing). A file that fails is a
-        `CheckpointFileError` naming it.
+        open as safetensors (else a `CheckpointFileError` naming it), and is compared with the sha256
+        recorded at save when the directory has a `tnlg_checksums.json`: a file another tool has
+        changed since loads with a warning naming it, `verify_checksums="strict"` refuses it, and
+        `verify_checksums=False` skips the hashing ([Note: checksums] in loading.py).
         """
         want_info = kwargs.pop("output_loading_info", False)
         state_dict = kwargs.get("state_dict")

@@ -47,6 +47,7 @@ from torch import nn
 from tnlg.modeling.loading import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
+    STRICT,
     CheckpointFileError,
     open_safetensors,
     read_index,
@@ -73,7 +74,7 @@ class PretrainedSource:
 
     path: str
     strict: bool = True
-    verify_checksums: bool = True
+    verify_checksums: bool | str = True  # True, False or "strict" ([Note: checksums])
 
 
 def meta_from_pretrained(
@@ -81,7 +82,7 @@ def meta_from_pretrained(
     path: str | Path,
     *,
     strict: bool = True,
-    verify_checksums: bool = True,
+    verify_checksums: bool | str = True,
     **config_overrides: Any,
 ):
     """`model_class` (a Transformers model class) built on the meta device from `path`'s config.json,
@@ -100,7 +101,7 @@ def meta_from_pretrained(
 
 
 def set_pretrained_source(
-    model: nn.Module, path: str | Path, *, strict: bool = True, verify_checksums: bool = True
+    model: nn.Module, path: str | Path, *, strict: bool = True, verify_checksums: bool | str = True
 ) -> nn.Module:
     """Record on a meta-device `model` that its weights come from `path` (see `meta_from_pretrained`)."""
     if not any(p.is_meta for p in model.parameters()):
@@ -120,7 +121,7 @@ class SafetensorsCheckpoint:
     every file's size and the sha256 of this reader's `share` (rank, world) of the files: rank,
     rank + world, ... . A file that fails is a `CheckpointError` naming it."""
 
-    def __init__(self, path: str | Path, *, verify: bool = True, share: tuple[int, int] = (0, 1)):
+    def __init__(self, path: str | Path, *, verify: bool | str = True, share: tuple[int, int] = (0, 1)):
         self.path = Path(path)
         self.directory = self.path if self.path.is_dir() else self.path.parent
         index = self._index()  # None: one file holds every tensor
@@ -142,7 +143,9 @@ class SafetensorsCheckpoint:
         if verify:
             rank, world = share
             with _named_file_errors():
-                self.verified = verify_checksums(self.directory, self.files, self.files[rank::world])
+                self.verified = verify_checksums(
+                    self.directory, self.files, self.files[rank::world], strict=verify == STRICT
+                )
         self.bytes_read = 0
         self._current: tuple[str, Any] | None = None
 

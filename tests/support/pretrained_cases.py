@@ -11,9 +11,16 @@ from tnlg.sharding.checkpoint import CheckpointError
 SEED = 5
 
 
-def load_sharded(rank: int, world_size: int, path: str, stage: int, strict: bool = True) -> dict:
+def load_sharded(
+    rank: int,
+    world_size: int,
+    path: str,
+    stage: int,
+    strict: bool = True,
+    verify_checksums: bool | str = True,
+) -> dict:
     """The engine's view of a checkpoint loaded straight into this rank's shards."""
-    model = meta_from_pretrained(TNLGForCausalLM, path, strict=strict)
+    model = meta_from_pretrained(TNLGForCausalLM, path, strict=strict, verify_checksums=verify_checksums)
     engine = initialize(
         model,
         torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -31,10 +38,10 @@ def load_sharded(rank: int, world_size: int, path: str, stage: int, strict: bool
     }
 
 
-def load_error(rank: int, world_size: int, path: str) -> str:
+def load_error(rank: int, world_size: int, path: str, verify_checksums: bool | str = True) -> str:
     """The error every rank raises for a checkpoint that cannot be loaded (no rank hangs)."""
     try:
-        load_sharded(rank, world_size, path, stage=3)
+        load_sharded(rank, world_size, path, stage=3, verify_checksums=verify_checksums)
     except CheckpointError as error:
         return str(error)
     return "loaded"
