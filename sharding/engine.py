@@ -16,7 +16,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +69,7 @@ class EngineParts:
     init_seed: int
     pretrained: PretrainedSource | None  # a checkpoint a meta model reads its shards from
     parallel: ParallelGroups | None = None
-    tensor_slices: dict[str, TensorSlice] | None = None  # this rank's slices, by parameter name
+    tensor_slices: dict[str, TensorSlice] = field(default_factory=dict)  # this rank's slices, by name
     pipeline: PipelineStages | None = None  # this rank's pipeline stages, if the model is cut into any
     build_lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None  # a DeepSpeed config's scheduler
 
@@ -97,7 +97,7 @@ class ZeroEngine(nn.Module):
         super().__init__()
         self.config = parts.config
         self.parallel = parts.parallel
-        self.tensor_slices = parts.tensor_slices or {}
+        self.tensor_slices = parts.tensor_slices
         self.pipeline = parts.pipeline
         self._driver = parts.driver
         self.collectives = parts.collectives

@@ -12,7 +12,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from tests.support import REPO
-from tests.support.parallel_checkpoint_cases import SAVE_AT, run_layout
+from tests.support.parallel_checkpoint_cases import run_layout
 from tests.support.tensor_parallel_cases import VOCAB, make_model
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
 from tnlg.tools.convert import export_gpt2, gpt2_config, tnlg_state_to_gpt2
@@ -156,8 +156,7 @@ def test_the_large_presets_map_onto_gpt2_on_the_meta_device(preset):
 def test_a_tensor_2_x_pipeline_2_checkpoint_exports_to_gpt2(tmp_path):
     checkpoint = tmp_path / "checkpoint"
     results = run_distributed(run_layout, 4, 2, 2, str(checkpoint), None, None, 2, 4, timeout=600)
-    saved = results[0]["saved"]  # the whole model at the checkpoint (step SAVE_AT), from the live engine
-    assert SAVE_AT > 0
+    saved = results[0]["saved"]  # the whole model at the checkpoint, from the live engine
     config = TNLGConfig.from_pretrained(checkpoint)
     model = TNLGForCausalLM(config).eval()
     model.load_state_dict(saved)

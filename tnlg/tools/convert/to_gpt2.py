@@ -27,9 +27,9 @@ import torch
 from transformers import GenerationConfig, GPT2Config
 
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
-from tnlg.modeling.loading import check_weight_files, open_safetensors, read_index, weight_files
 from tnlg.sharding.checkpoint import MANIFEST
 from tnlg.sharding.consolidate import consolidate, write_shards
+from tnlg.sharding.pretrained import SafetensorsCheckpoint
 
 from .gpt2 import BLOCK_NAMES, CONFIG_NAMES, TOP_NAMES
 from .state_dicts import copy_tokenizer_files
@@ -92,7 +92,7 @@ def export_gpt2(
     *,
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
-    verify: bool = True,
+    verify: bool | str = True,
     tokenizer_dir: str | Path | None = None,
 ) -> list[Path]:
     """Write `source` as a `GPT2LMHeadModel` directory at `output` (which must be empty or absent):
@@ -134,7 +134,7 @@ def _export_model(
 
 
 def _export_directory(
-    directory: Path, output: Path, max_shard_size: int | str, dtype: torch.dtype | None, verify: bool
+    directory: Path, output: Path, max_shard_size: int | str, dtype: torch.dtype | None, verify: bool | str
 ) -> list[Path]:
     """A saved TNLG model (`save_pretrained`, a run's `model/`, a consolidated checkpoint), read lazily."""
     if not directory.is_dir():
@@ -144,32 +144,25 @@ def _export_directory(
             f"{directory} has no config.json: a GPT-2 export needs the model's TNLG config next to its weights"
         )
     config = TNLGConfig.from_pretrained(directory)
-    files = weight_files(directory)
-    if not files:
-        raise FileNotFoundError(f"{directory} holds no model.safetensors or safetensors index")
-    check_weight_files(directory, files, verify=verify)
-    where = _tensor_files(directory, files)
-    kinds = {}
-    for file in sorted(set(where.values())):
-        with open_safetensors(directory / file) as reader:
-            for name in reader.keys():  # noqa: SIM118 (safe_open is not iterable)
-                view = reader.get_slice(name)
-                kinds[name] = (torch.Size(view.get_shape()).numel(), _SAFETENSORS_DTYPES[view.get_dtype()])
-
-    def read(name: str) -> torch.Tensor:
-        with open_safetensors(directory / where[name]) as reader:
-            return reader.get_tensor(name)
-
+    # The engine's pretrained reader: headers read once, checksums checked, one file open at a time.
+    checkpoint = SafetensorsCheckpoint(directory, verify=verify)
+    kinds = {
+        name: (torch.Size(shape).numel(), _SAFETENSORS_DTYPES[checkpoint.dtypes[name]])
+        for name, shape in checkpoint.shapes.items()
+    }
     generation = (
         GenerationConfig.from_pretrained(directory)
         if (directory / "generation_config.json").is_file()
         else None
     )
-    return _write(config, read, kinds, output, max_shard_size, dtype, generation)
+    try:
+        return _write(config, checkpoint.read, kinds, output, max_shard_size, dtype, generation)
+    finally:
+        checkpoint.close()
 
 
 def _export_engine_checkpoint(
-    checkpoint: Path, output: Path, max_shard_size: int | str, dtype: torch.dtype | None, verify: bool
+    checkpoint: Path, output: Path, max_shard_size: int | str, dtype: torch.dtype | None, verify: bool | str
 ) -> list[Path]:
     """Consolidated into a TNLG directory beside `output` (removed after), then exported from it."""
     if not (checkpoint / "config.json").is_file():
@@ -179,7 +172,8 @@ def _export_engine_checkpoint(
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{output.name}.consolidating-", dir=output.parent) as staging:
         consolidate(checkpoint, staging, max_shard_size, dtype, verify=verify)
-        return _export_directory(Path(staging), output, max_shard_size, None, verify=True)
+        # Written just now, with its record: hashing it again would read the whole model twice.
+        return _export_directory(Path(staging), output, max_shard_size, None, verify=False)
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -207,10 +201,7 @@ def _write(
         tensor = read(name)
         return (tensor.t() if transpose else tensor).to(written_dtype(name))
 
-    sizes = {
-        target: kinds[name][0] * torch.empty((), dtype=written_dtype(name)).element_size()
-        for target, (name, _) in source_of.items()
-    }
+    sizes = {target: kinds[name][0] * written_dtype(name).itemsize for target, (name, _) in source_of.items()}
     written = write_shards(output, list(source_of), convert, sizes, max_shard_size)
     floating = [written_dtype(name) for name in renamed if kinds[name][1].is_floating_point]
     gpt2.dtype = floating[0] if floating else torch.float32  # what from_pretrained(dtype="auto") loads
@@ -243,15 +234,6 @@ def _refuse_a_used_directory(output: Path) -> None:
             f"{output} already exists and is not an empty directory: export into a new directory (nothing "
             "there is replaced)"
         )
-
-
-def _tensor_files(directory: Path, files: list[str]) -> dict[str, str]:
-    """{tensor name: the file holding it} for a saved directory's weight files."""
-    index = directory / "model.safetensors.index.json"
-    if len(files) > 1 or index.is_file():
-        return read_index(index)
-    with open_safetensors(directory / files[0]) as reader:
-        return dict.fromkeys(reader.keys(), files[0])
 
 
 __all__ = ["export_gpt2", "gpt2_config", "gpt2_name", "tnlg_state_to_gpt2"]
