@@ -41,6 +41,7 @@ from transformers import GPT2LMHeadModel
 
 from benchmarks.gpu_bench import bias_gelu_case, cross_entropy_case, layer_norm_case, relative_error, timed
 from tnlg import TNLGConfig, TNLGForCausalLM
+from tnlg.modeling.configuration_tnlg import FUSED_CHOICES
 from tnlg.run.activations import enable_activation_checkpointing
 from tnlg.run.metrics import peak_flops_per_device
 from tnlg.sharding import ZeroConfig, initialize
@@ -80,27 +81,30 @@ class Settings:
     warmup: int = 3
     adam_numel: int | None = None  # None: the model's parameter count
     init_std: float | None = None  # None: the preset's initializer_range
+    fused_kernels: str = "auto"  # TNLGConfig.fused_kernels of the tnlg variants
 
     @classmethod
     def create(
-        cls, smoke: bool, device: torch.device, micro_batch: int | None, checkpointing: bool
-    ) -> Settings:
+        cls, smoke: bool, device: torch.device, micro_batch: int | None, checkpointing: bool,
+        fused_kernels: str = "auto",
+    ) -> Settings:  # fmt: skip
         if not smoke:
-            return cls(device, smoke, micro_batch or 4, checkpointing)
+            return cls(device, smoke, micro_batch or 4, checkpointing, fused_kernels=fused_kernels)
         # The interpreter runs the Triton kernels on CPU: tiny sizes, one repeat.
         return cls(
             device, smoke, micro_batch or 2, checkpointing, preset="debug", seq_len=32, warmup_steps=1,
             timed_steps=1, matmul_size=256, repeats=1, warmup=1, adam_numel=10_000,
             # Logits as spread as tnlg-1.3b's at its init (0.02 x sqrt(2048) = 0.9): 1 / sqrt(64). At
             # 0.02 the debug model's logits are nearly flat and no loss tells one model from another.
-            init_std=0.125,
+            init_std=0.125, fused_kernels=fused_kernels,
         )  # fmt: skip
 
-    def config(self, fused_kernels: str = "auto") -> TNLGConfig:
+    def config(self, fused_kernels: str | None = None) -> TNLGConfig:
         init = {} if self.init_std is None else {"initializer_range": self.init_std}
         return TNLGConfig.from_preset(
-            self.preset, max_position_embeddings=self.seq_len, fused_kernels=fused_kernels, **init
-        )
+            self.preset, max_position_embeddings=self.seq_len,
+            fused_kernels=fused_kernels or self.fused_kernels, **init,
+        )  # fmt: skip
 
     @property
     def cuda(self) -> bool:
@@ -531,10 +535,11 @@ def side_by_side_lines(
     *,
     micro_batch: int | None = None,
     activation_checkpointing: bool = True,
+    fused_kernels: str = "auto",
 ) -> Iterator[str]:
     """The report's lines, each as soon as it is known; a failed check's line reads MISMATCH
     (`is_failure`). Runs at world size 1 on `device` (CPU only with `smoke`)."""
-    settings = Settings.create(smoke, device, micro_batch, activation_checkpointing)
+    settings = Settings.create(smoke, device, micro_batch, activation_checkpointing, fused_kernels)
     config = settings.config()
     name = torch.cuda.get_device_name(device) if settings.cuda else "CPU"
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
@@ -545,7 +550,8 @@ def side_by_side_lines(
         yield ""
     yield (
         f"{settings.preset}: {config.describe()}; bf16 mixed precision, micro-batch {settings.micro_batch} x "
-        f"{settings.seq_len} tokens, activation checkpointing {'on' if activation_checkpointing else 'off'}"
+        f"{settings.seq_len} tokens, activation checkpointing {'on' if activation_checkpointing else 'off'}, "
+        f"fused kernels {fused_kernels}"
     )
     yield ""
     with one_rank_group(device):
@@ -564,6 +570,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--micro-batch", type=int, help="sequences per step (default 4; --smoke 2)")
     parser.add_argument("--activation-checkpointing", choices=("on", "off"), default="on")
+    parser.add_argument(
+        "--fused", choices=FUSED_CHOICES, default="auto", help="TNLGConfig.fused_kernels of the tnlg variants"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.smoke:
         parser.exit(2, "side_by_side needs a CUDA device (use --smoke to check the script elsewhere)\n")
@@ -589,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         device,
         micro_batch=args.micro_batch,
         activation_checkpointing=args.activation_checkpointing == "on",
+        fused_kernels=args.fused,
     )
     for line in lines:
         print(line, flush=True)

@@ -92,8 +92,10 @@ class TNLGConfig(PreTrainedConfig):
         pad_token_id: none by default.
         tie_word_embeddings: the output layer shares the token embedding matrix.
         fused_kernels: the Triton LayerNorm, bias + GeLU (`gelu_new` only) and chunked LM-head
-            cross-entropy of `fused_ops.py`: `auto` uses them on CUDA tensors when Triton is installed
-            (so not on CPU), `triton` always (CPU tensors need TRITON_INTERPRET=1), `none` never. The
+            cross-entropy of `fused_ops.py`: `auto` uses the bias + GeLU and the loss on CUDA tensors
+            when Triton is installed (so not on CPU) and keeps torch's LayerNorm, faster on an H100
+            ([Note: LayerNorm stays torch's]); `triton` uses all three always (CPU tensors need
+            TRITON_INTERPRET=1), `none` none. The
             fused loss returns no logits when given labels (they are never made in full); without
             autograd (evaluation) it computes the loss alone. The MLP's first projection and the LM
             head run fused only while they are plain `nn.Linear`s: one wrapped by a peft LoRA

@@ -17,8 +17,9 @@
   inference_mode, or no input requiring grad, as in evaluation) only the losses are computed.
 
 `TNLGConfig.fused_kernels` selects them: `auto` (Triton on CUDA tensors when Triton is installed,
-the references elsewhere, so off on CPU), `triton` (always; CPU tensors need TRITON_INTERPRET=1,
-which is how the tests run them) or `none`.
+the references elsewhere, so off on CPU; the model keeps torch's LayerNorm under `auto`, see
+[Note: LayerNorm stays torch's] in modeling_tnlg.py), `triton` (always; CPU tensors need
+TRITON_INTERPRET=1, which is how the tests run them) or `none`.
 """
 
 from __future__ import annotations

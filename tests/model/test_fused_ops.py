@@ -169,6 +169,30 @@ def test_auto_uses_torch_on_cpu_and_the_choice_is_validated():
         TNLGConfig.from_preset("debug", fused_kernels="apex")
 
 
+def test_auto_keeps_torch_layer_norm_where_triton_runs_the_rest(monkeypatch):
+    """Where `auto` picks Triton (CUDA), the model's LayerNorms still run torch's kernel, measured faster
+    on an H100 ([Note: LayerNorm stays torch's]), while bias + GeLU runs the Triton one; `triton`
+    forces both. Simulated on CPU: `use_triton` answers as on CUDA, and the two autograd Functions are
+    replaced by spies that record the call and compute the reference."""
+    monkeypatch.setattr(fused_ops, "use_triton", lambda choice, tensor: choice != "none")
+    calls: list[str] = []
+
+    def spy(name, reference):
+        def apply(*args):
+            calls.append(name)
+            return reference(*args[: 4 if name == "layer_norm" else 2])
+
+        return apply
+
+    monkeypatch.setattr(fused_ops._LayerNorm, "apply", spy("layer_norm", fused_ops.layer_norm_reference))
+    monkeypatch.setattr(fused_ops._BiasGelu, "apply", spy("bias_gelu", fused_ops.bias_gelu_reference))
+    ids = torch.randint(0, 512, (1, 8))
+    for choice, expected in (("auto", {"bias_gelu"}), ("triton", {"layer_norm", "bias_gelu"})):
+        calls.clear()
+        TNLGForCausalLM(TNLGConfig.from_preset("debug", fused_kernels=choice))(input_ids=ids)
+        assert set(calls) == expected, choice
+
+
 def test_fp16_gradients_survive_a_large_token_count():
     """The logit gradients stay unscaled until backward: divided by 8192 tokens in fp16 they would
     underflow to zero before the loss scale could lift them."""
