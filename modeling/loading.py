@@ -34,7 +34,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -328,3 +328,29 @@ def tied_output_layer_error(
         source=f"{source} (its lm_head.weight differs from the token embedding, but the config ties "
         "them; load it with tie_word_embeddings=False)",
     )
+
+
+# ---------------------------------------------------------------------------- pickled checkpoints
+def inert_globals(path: str | Path, accept: Callable[[str], bool]) -> list[tuple[type, str]]:
+    """Inert stand-ins, for `torch.serialization.safe_globals`, of the classes a pickled checkpoint at
+    `path` names that `accept(qualified name)` lets through: other tools' enums, config records and
+    loss-scaler objects (Megatron-LM's saved args, DeepSpeed's optimizer state). Each stub records
+    what it is rebuilt with (`.args`, `.kwargs`, `.state`) and runs nothing: loading the file neither
+    imports nor executes the tool. Globals not accepted stay refused by `weights_only=True`."""
+    try:
+        wanted = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception:  # not a zip checkpoint: torch.load's own error names the problem
+        return []
+    return [(_inert_class(name), name) for name in wanted if accept(name)]
+
+
+def _inert_class(qualified_name: str) -> type:
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state):
+        self.state = state
+
+    name = qualified_name.rsplit(".", 1)[-1]
+    namespace = {"__init__": __init__, "__setstate__": __setstate__, "__module__": "tnlg.inert"}
+    return type(name, (), namespace)

@@ -4,11 +4,18 @@
     python scripts/convert_checkpoint.py --from megatron --input path/to/megatron/save --output out/tnlg \\
         --vocab-size 50257
     python scripts/convert_checkpoint.py --from zero --input runs/pretrain/checkpoints --output out/model
+    python scripts/convert_checkpoint.py --from deepspeed --input trainer_out/checkpoint-500 --output out/model
     python scripts/convert_checkpoint.py --to gpt2 --input runs/pretrain-debug --output out/gpt2
 
 `--from zero` consolidates an engine checkpoint saved at any world size and stage (a run's
 checkpoint root, one `step-N` checkpoint, a `save_state` directory or a ZeroTrainer `checkpoint-N`),
 streaming tensor by tensor: peak memory is about one output shard.
+
+`--from deepspeed` reads a DeepSpeed ZeRO stage 1-3 checkpoint at any world size, as DeepSpeed's
+`save_checkpoint` writes it (its save directory with `latest`, the Transformers Trainer's
+`checkpoint-N/`, or the tag directory), of a TNLG or a Transformers GPT-2 model: the fp32 master
+weights, read with `torch.load(weights_only=True)`. The model's config.json comes from `--config`, else
+from beside DeepSpeed's files (the Trainer saves it there).
 
 The output is sharded safetensors with an index (`TNLGForCausalLM.from_pretrained` and
 `AutoModelForCausalLM.from_pretrained` load it after `import tnlg`), plus the tokenizer files found
@@ -32,7 +39,7 @@ import torch
 from tnlg.run.checkpoint import find_engine_checkpoint
 from tnlg.run.cli import exit_on_input_error
 from tnlg.sharding.consolidate import consolidate
-from tnlg.tools.convert import copy_tokenizer_files, export_gpt2, from_gpt2, from_megatron
+from tnlg.tools.convert import copy_tokenizer_files, export_gpt2, from_deepspeed, from_gpt2, from_megatron
 
 logger = logging.getLogger("convert_checkpoint")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--from",
         dest="source_format",
-        choices=["gpt2", "megatron", "zero", "tnlg"],
+        choices=["gpt2", "megatron", "zero", "deepspeed", "tnlg"],
         help="the input's format (required unless --to gpt2, which finds a TNLG model or checkpoint itself)",
     )
     parser.add_argument(
@@ -77,13 +84,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     megatron.add_argument(
         "--layer-norm-epsilon", type=float, help="default: from the saved args (1e-5 without args)"
     )
+    deepspeed = parser.add_argument_group("deepspeed")
+    deepspeed.add_argument(
+        "--config",
+        type=Path,
+        help="the model's config.json or its directory (default: beside the checkpoint)",
+    )
     tokenizer = parser.add_argument_group("tokenizer")
     tokenizer.add_argument(
         "--tokenizer-dir", type=Path, help="copy tokenizer files from here (default: input)"
     )
     args = parser.parse_args(argv)
     if args.source_format is None and args.target_format == "tnlg":
-        parser.error("--from is required (gpt2, megatron or zero) unless --to gpt2")
+        parser.error("--from is required (gpt2, megatron, zero or deepspeed) unless --to gpt2")
+    if args.config is not None and args.source_format != "deepspeed":
+        parser.error("--config is for --from deepspeed (DeepSpeed saves no config.json)")
     if args.source_format == "tnlg" and args.target_format == "tnlg":
         parser.error("--from tnlg is a TNLG model already: use --to gpt2 to export it")
     return args
@@ -99,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
         return consolidate_zero(args, dtype)
     if args.source_format == "gpt2":
         model = from_gpt2(args.input, dtype=dtype)
+    elif args.source_format == "deepspeed":
+        model = from_deepspeed(args.input, config=args.config, dtype=dtype)
     else:
         model = from_megatron(
             args.input,

@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .checkpoint import load_engine, save_engine, tensor_layout
+from .checkpoint import CheckpointError, load_engine, save_engine, tensor_layout
 from .collectives import Collectives
 from .config import ZeroConfig
+from .deepspeed.lr_schedules import DeepSpeedSchedule
+from .deepspeed.restore import is_deepspeed_checkpoint, load_deepspeed_checkpoint
 from .engine_state import PipelineStages, StepDriver
 from .fill import cast_frozen_floating_tensors, fill_shards
 from .flat_group import FlatGroup
@@ -410,13 +412,35 @@ class ZeroEngine(nn.Module):
         layout (see [Note: reshaping], [Note: sliced checkpoints] and [Note: pipeline checkpoints] in
         checkpoint.py); `verify` checks the files' sha256. Returns the manifest."""
         self._require_optimizer("load_checkpoint")
-        schedule = read_scheduler_state(self.lr_scheduler, Path(directory))
         layout = tensor_layout(self.parallel, self.tensor_slices, self.pipeline)
+        if is_deepspeed_checkpoint(directory):
+            return self._load_deepspeed_checkpoint(directory, sliced=layout is not None)
+        schedule = read_scheduler_state(self.lr_scheduler, Path(directory))
         manifest = load_engine(self, directory, verify, layout)
         if schedule is not None:
             self.lr_scheduler.load_state_dict(schedule)
         self.micro_steps = 0  # checkpoints are saved at accumulation boundaries
         return manifest
+
+    def _load_deepspeed_checkpoint(self, directory: str | Path, sliced: bool) -> dict[str, Any]:
+        """A checkpoint DeepSpeed's `engine.save_checkpoint` wrote (see sharding/deepspeed/restore.py),
+        its lr schedule's state included when this engine has one of DeepSpeed's schedules."""
+        summary = load_deepspeed_checkpoint(self, directory, sliced=sliced)
+        schedule = summary["lr_scheduler"]
+        if schedule is not None and self.lr_scheduler is not None:
+            if not isinstance(self.lr_scheduler, DeepSpeedSchedule):
+                raise CheckpointError(
+                    f"{directory} holds DeepSpeed's lr schedule state {schedule}, which this engine's "
+                    f"{type(self.lr_scheduler).__name__} cannot take: build the engine from the run's "
+                    "DeepSpeed config (its scheduler section) to resume the schedule"
+                )
+            self.lr_scheduler.load_deepspeed_state(schedule)
+        elif schedule is not None:
+            logger.warning(
+                "%s holds an lr schedule's state, but this engine has no scheduler to restore", directory
+            )
+        self.micro_steps = 0
+        return summary
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds, by kind: 16-bit (compute-dtype) params, grads, fp32 master, optimizer

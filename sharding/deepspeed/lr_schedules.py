@@ -21,6 +21,19 @@ class DeepSpeedSchedule(LRScheduler):
     def last_batch_iteration(self) -> int:
         return self.last_epoch - 1
 
+    def load_deepspeed_state(self, state: dict) -> None:
+        """DeepSpeed's own state of this schedule, `{"last_batch_iteration": n}`, as a DeepSpeed
+        checkpoint holds it: the count and the lr it gives, set on the optimizer's groups."""
+        iteration = state.get("last_batch_iteration") if isinstance(state, dict) else None
+        if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < -1:
+            raise ValueError(
+                f"a DeepSpeed scheduler state should hold last_batch_iteration >= -1, got {state!r}"
+            )
+        self.last_epoch = iteration + 1
+        for group, lr in zip(self.optimizer.param_groups, self.get_lr(), strict=True):
+            group["lr"] = lr
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
 
 def _per_group(value: float | list[float], groups: int, name: str) -> list[float]:
     if isinstance(value, (list, tuple)):

@@ -182,6 +182,6 @@ def test_args_of_megatron_core_types_load_as_inert_data(tmp_path, gpt2):
     )  # fmt: skip
     _, metadata = read_megatron_checkpoint(tmp_path)
     args = metadata["args"]
-    assert type(args.exit_signal).__module__ == "tnlg.tools.convert.stub" and args.exit_signal.args == (15,)
-    assert type(args.data_cache_path).__module__ == "tnlg.tools.convert.stub"
+    assert type(args.exit_signal).__module__ == "tnlg.inert" and args.exit_signal.args == (15,)
+    assert type(args.data_cache_path).__module__ == "tnlg.inert"
     assert_same_function(from_megatron(tmp_path, vocab_size=VOCAB), gpt2)

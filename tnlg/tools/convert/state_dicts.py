@@ -16,7 +16,13 @@ from pathlib import Path
 import torch
 
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
-from tnlg.modeling.loading import CheckpointMismatchError, check_weight_files, open_safetensors, read_index
+from tnlg.modeling.loading import (
+    CheckpointMismatchError,
+    check_weight_files,
+    inert_globals,
+    open_safetensors,
+    read_index,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,36 +122,10 @@ INERT_ARG_TYPES = frozenset(
 
 
 def _megatron_enum_stubs(path: Path) -> list[tuple[type, str]]:
-    """Inert stand-ins for the Megatron enums its saved `args` hold (e.g. `ModelType`), and for the
-    standard-library types of INERT_ARG_TYPES.
-
-    Megatron pickles enum members inside the args; loading them must not import (or execute)
-    Megatron. Each stub only records the value it is rebuilt with.
-    """
-    try:
-        wanted = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-    except Exception:
-        return []
-    return [
-        (_stub_class(name), name)
-        for name in wanted
-        if name.startswith("megatron.") or name in INERT_ARG_TYPES
-    ]
-
-
-def _stub_class(qualified_name: str) -> type:
-    def __init__(self, *args, **kwargs):
-        self.args, self.kwargs = args, kwargs
-
-    def __setstate__(self, state):
-        self.state = state
-
-    name = qualified_name.rsplit(".", 1)[-1]
-    return type(
-        name,
-        (),
-        {"__init__": __init__, "__setstate__": __setstate__, "__module__": "tnlg.tools.convert.stub"},
-    )
+    """Inert stand-ins (`inert_globals`) for the Megatron enums its saved `args` hold (e.g.
+    `ModelType`), and for the standard-library types of INERT_ARG_TYPES: loading them must not
+    import (or execute) Megatron."""
+    return inert_globals(path, lambda name: name.startswith("megatron.") or name in INERT_ARG_TYPES)
 
 
 def _numpy_safe_globals() -> list[object]:

@@ -1,0 +1,332 @@
+"""DeepSpeed ZeRO checkpoints, as DeepSpeed's `engine.save_checkpoint` writes them, read into whole
+tensors by parameter name: the fp32 masters, Adam's moments and step, the loss scale and the step count.
+
+[Note: DeepSpeed ZeRO checkpoint layout] (DeepSpeed 0.19; what the fixtures in tests/assets/deepspeed show)
+    DIR/latest                                   the tag, as plain text (e.g. `global_step3`)
+    DIR/<tag>/mp_rank_00_model_states.pt         stage 1-2: the module's 16-bit (or fp32) weights,
+                                                 `param_shapes` (one ordered {name: shape} per param
+                                                 group), `shared_params` (tied aliases), `global_steps`,
+                                                 `dp_world_size`, `lr_scheduler`, `ds_config`
+    DIR/<tag>/zero_pp_rank_R_mp_rank_00_model_states.pt   stage 3: the same, one per rank, weights empty
+    DIR/<tag>/[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt   rank R's `optimizer_state_dict`
+The Transformers Trainer's DeepSpeed integration passes its `checkpoint-N/` as DIR, so its layout is
+`checkpoint-N/latest` and `checkpoint-N/global_stepN/`: the same files one level down.
+
+How a rank's flat fp32 partition maps to parameters (the same for Adam's moments, which follow it):
+- stage 1-2: each param group's parameters, in `param_shapes` order, are one flat buffer cut into
+  `dp_world_size` equal partitions, padded at the end (`single_partition_of_fp32_groups[g]` is rank
+  R's); the whole group is the ranks' partitions end to end.
+- stage 3: every parameter is cut on its own into `dp_world_size` pieces of ceil(numel / world)
+  elements (the last padded), and rank R's `fp32_flat_groups` hold its piece of each parameter in
+  `param_shapes` order: parameter p's rank-R piece starts where the earlier parameters' pieces end.
+
+Files are read with `torch.load(weights_only=True)`: DeepSpeed's own classes in them (`ZeroStageEnum`,
+`LossScaler`, `fragment_address`) are rebuilt as inert records (`inert_globals`), DeepSpeed is never
+imported, and any other class is refused by name. Every rank reads every optimizer file (as
+DeepSpeed's zero_to_fp32 does): host memory holds the whole fp32 state once per reading process.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tnlg.modeling.loading import inert_globals
+
+from ..checkpoint_files import CheckpointError
+
+LATEST = "latest"
+MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+OPTIM_STATES = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+PIPELINE_LAYER = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")  # DeepSpeed's pipeline engine
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class DeepSpeedZeroState:
+    """A whole DeepSpeed ZeRO checkpoint: every tensor whole, by the module's parameter names."""
+
+    directory: Path  # the tag directory the files are in
+    stage: int
+    world_size: int
+    global_steps: int
+    group_names: list[list[str]]  # param group -> its parameters, in DeepSpeed's order
+    masters: dict[str, torch.Tensor]  # fp32
+    moments: dict[str, dict[str, torch.Tensor]]  # "exp_avg" / "exp_avg_sq" -> name -> fp32 tensor
+    adam_steps: list[int]  # per param group
+    param_groups: list[dict[str, Any]]  # the base optimizer's hyperparameters per group
+    shared: dict[str, str] = field(default_factory=dict)  # a tied alias -> the parameter it is
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    loss_scale: float = 1.0
+    lr_scheduler: dict[str, Any] | None = None
+    ds_config: dict[str, Any] = field(default_factory=dict)
+
+
+def deepspeed_tag_directory(path: str | Path) -> Path | None:
+    """The directory holding a DeepSpeed checkpoint's rank files, from the save directory (its `latest`
+    names the tag) or the tag directory itself; None when `path` is neither."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    if (path / LATEST).is_file():
+        tag = (path / LATEST).read_text().strip()
+        if not tag or "/" in tag or "\\" in tag:
+            raise CheckpointError(f"{path / LATEST} should name a DeepSpeed checkpoint tag, got {tag!r}")
+        tagged = path / tag
+        if not tagged.is_dir():
+            raise CheckpointError(f"{path / LATEST} names tag {tag!r}, but {tagged} is not a directory")
+        return tagged
+    names = [entry.name for entry in path.iterdir()]
+    return path if any(OPTIM_STATES.match(name) or MODEL_STATES.match(name) for name in names) else None
+
+
+def read_deepspeed_checkpoint(path: str | Path) -> DeepSpeedZeroState:
+    """Read a DeepSpeed ZeRO stage 1, 2 or 3 checkpoint (`path`: the save directory or the tag
+    directory) into whole tensors. A checkpoint this cannot read faithfully is refused by name."""
+    directory = deepspeed_tag_directory(path)
+    if directory is None:
+        raise CheckpointError(
+            f"{path} is not a DeepSpeed checkpoint: no `{LATEST}` file and no *_model_states.pt"
+        )
+    names = sorted(entry.name for entry in directory.iterdir())
+    if any(PIPELINE_LAYER.match(name) for name in names):
+        raise CheckpointError(
+            f"{directory} was written by DeepSpeed's pipeline engine (layer_*-model_states.pt): only ZeRO "
+            "data-parallel checkpoints are read; consolidate it with DeepSpeed first"
+        )
+    model_files = {name: MODEL_STATES.match(name) for name in names if MODEL_STATES.match(name)}
+    if any(int(match.group(2)) != 0 for match in model_files.values()):
+        raise CheckpointError(
+            f"{directory} holds several model-parallel ranks (mp_rank_01 ...): DeepSpeed checkpoints with "
+            "tensor parallelism are not read; only ZeRO data-parallel ones"
+        )
+    first = next((name for name in model_files if name.startswith("zero_pp_rank_0_")), None)
+    first = first or ("mp_rank_00_model_states.pt" if "mp_rank_00_model_states.pt" in model_files else None)
+    if first is None:
+        raise CheckpointError(f"{directory} has no mp_rank_00_model_states.pt (nor rank 0's zero_pp one)")
+    model = _load(directory / first)
+    world = _integer(model, "dp_world_size", directory / first)
+    optimizer_files = _optimizer_files(directory, names, world)
+    states = [_load(directory / name).get("optimizer_state_dict") for name in optimizer_files]
+    for name, state in zip(optimizer_files, states, strict=True):
+        if not isinstance(state, dict):
+            raise CheckpointError(
+                f"{directory / name} has no optimizer_state_dict: not a ZeRO optimizer file"
+            )
+    stage = _stage(states[0].get("zero_stage"), directory / optimizer_files[0])
+    shapes = model.get("param_shapes")
+    if not isinstance(shapes, list) or not all(isinstance(group, dict) for group in shapes):
+        raise CheckpointError(f"{directory / first} has no param_shapes list: not a ZeRO model-states file")
+    if model.get("frozen_param_shapes"):
+        raise CheckpointError(
+            f"{directory / first} has frozen parameters {sorted(model['frozen_param_shapes'])[:5]}: "
+            "checkpoints of partly frozen models are not read"
+        )
+    group_names = [list(group) for group in shapes]
+    sizes = {name: math.prod(shape) for group in shapes for name, shape in group.items()}
+    if stage == 3:
+        masters, moments, base = _stage3(states, group_names, sizes, world, directory)
+    else:
+        masters, moments, base = _stage1_2(states, group_names, sizes, directory)
+    masters = {name: tensor.reshape(tuple(shapes_of(shapes)[name])) for name, tensor in masters.items()}
+    moments = {
+        key: {name: tensor.reshape(masters[name].shape) for name, tensor in by_name.items()}
+        for key, by_name in moments.items()
+    }
+    module = model.get("module") or {}
+    return DeepSpeedZeroState(
+        directory=directory, stage=stage, world_size=world,
+        global_steps=_integer(model, "global_steps", directory / first), group_names=group_names,
+        masters=masters, moments=moments, adam_steps=base["steps"], param_groups=base["param_groups"],
+        shared=dict(model.get("shared_params") or {}),
+        buffers={name: module[name] for name in model.get("buffer_names") or [] if name in module},
+        loss_scale=_loss_scale(states[0].get("loss_scaler")), lr_scheduler=model.get("lr_scheduler"),
+        ds_config=dict(model.get("ds_config") or {}),
+    )  # fmt: skip
+
+
+def shapes_of(param_shapes: list[dict[str, Any]]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(int(n) for n in shape) for group in param_shapes for name, shape in group.items()}
+
+
+# ---------------------------------------------------------------------------- the two layouts
+def _stage1_2(states, group_names, sizes, directory):
+    """Stage 1-2: a group is its ranks' partitions end to end, its parameters consecutive in it."""
+    masters: dict[str, torch.Tensor] = {}
+    moments: dict[str, dict[str, torch.Tensor]] = {key: {} for key in ADAM_KEYS}
+    bases = [_base_optimizer(state, directory) for state in states]
+    for group_index, names in enumerate(group_names):
+        paddings = [
+            state.get("param_alignment_paddings", [[]] * len(group_names))[group_index] for state in states
+        ]
+        if any(any(int(p) for p in padding) for padding in paddings):
+            raise CheckpointError(
+                f"{directory}: param group {group_index} pads between parameters (param_alignment_paddings): "
+                "that layout is not read"
+            )
+        flat = torch.cat(
+            [_partition(state, "single_partition_of_fp32_groups", group_index, directory) for state in states]
+        )
+        group_moments = {
+            key: torch.cat([_moment(base["state"], group_index, key, directory) for base in bases])
+            for key in ADAM_KEYS
+        }
+        offset = 0
+        for name in names:
+            size = sizes[name]
+            if offset + size > flat.numel():
+                raise CheckpointError(
+                    f"{directory}: param group {group_index} holds {flat.numel()} elements, fewer than its "
+                    "parameters need: the optimizer files do not match the model states"
+                )
+            masters[name] = flat[offset : offset + size].clone()
+            for key in ADAM_KEYS:
+                moments[key][name] = group_moments[key][offset : offset + size].clone()
+            offset += size
+    return masters, moments, _hyperparameters(bases[0], len(group_names), directory)
+
+
+def _stage3(states, group_names, sizes, world, directory):
+    """Stage 3: each parameter cut on its own into `world` pieces of ceil(numel / world) elements."""
+    flats = [torch.cat(list(_list(state, "fp32_flat_groups", directory))) for state in states]
+    bases = [_base_optimizer(state, directory) for state in states]
+    rank_moments = [
+        {
+            key: torch.cat([_moment(base["state"], index, key, directory) for index in sorted(base["state"])])
+            for key in ADAM_KEYS
+        }
+        for base in bases
+    ]
+    masters: dict[str, torch.Tensor] = {}
+    moments: dict[str, dict[str, torch.Tensor]] = {key: {} for key in ADAM_KEYS}
+    offset = 0
+    for name in (name for names in group_names for name in names):
+        size = sizes[name]
+        piece = -(-size // world)
+        if any(offset + piece > flat.numel() for flat in flats):
+            raise CheckpointError(
+                f"{directory}: a rank's fp32_flat_groups end before {name}'s piece: the optimizer files do "
+                "not match the model states"
+            )
+        masters[name] = torch.cat([flat[offset : offset + piece] for flat in flats])[:size].clone()
+        for key in ADAM_KEYS:
+            moments[key][name] = torch.cat([m[key][offset : offset + piece] for m in rank_moments])[
+                :size
+            ].clone()
+        offset += piece
+    return masters, moments, _hyperparameters(bases[0], len(bases[0]["state"]), directory)
+
+
+# ---------------------------------------------------------------------------- the files' parts
+def _load(path: Path) -> dict[str, Any]:
+    safe = inert_globals(path, lambda name: name.startswith("deepspeed."))
+    try:
+        with torch.serialization.safe_globals(safe):
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(
+            f"{path} cannot be read safely with torch.load(weights_only=True) (only tensors, plain "
+            f"containers and DeepSpeed's own records are allowed): {error}"
+        ) from error
+    if not isinstance(loaded, dict):
+        raise CheckpointError(f"{path} holds a {type(loaded).__name__}, not a DeepSpeed state dict")
+    return loaded
+
+
+def _optimizer_files(directory: Path, names: list[str], world: int) -> list[str]:
+    by_rank: dict[int, str] = {}
+    for name in names:
+        match = OPTIM_STATES.match(name)
+        if match:
+            by_rank[int(match.group(1))] = name
+    missing = [rank for rank in range(world) if rank not in by_rank]
+    if missing:
+        raise CheckpointError(
+            f"{directory} was saved by {world} data-parallel ranks but has no optimizer file for rank(s) "
+            f"{missing} (zero_pp_rank_R_mp_rank_00_optim_states.pt)"
+        )
+    extra = sorted(rank for rank in by_rank if rank >= world)
+    if extra:
+        raise CheckpointError(
+            f"{directory} has optimizer files for ranks {extra} beyond its dp_world_size {world}"
+        )
+    return [by_rank[rank] for rank in range(world)]
+
+
+def _stage(value: Any, path: Path) -> int:
+    """`zero_stage`: DeepSpeed's ZeroStageEnum (an IntEnum, rebuilt inert with its value as args[0])."""
+    stage = value.args[0] if hasattr(value, "args") and value.args else value
+    if not isinstance(stage, int) or stage not in (1, 2, 3):
+        raise CheckpointError(f"{path}: zero_stage {stage!r} is not a ZeRO stage 1, 2 or 3")
+    return stage
+
+
+def _loss_scale(value: Any) -> float:
+    state = getattr(value, "state", None)
+    if isinstance(state, dict) and "cur_scale" in state:
+        return float(state["cur_scale"])
+    return 1.0  # no scaler recorded: bf16 and fp32 runs scale by 1
+
+
+def _base_optimizer(state: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """The wrapped optimizer's torch state dict (stage 1-2: `base_optimizer_state`, stage 3:
+    `optimizer_state_dict`); DeepSpeed before the dict form saved stage 1-2's as a list of per-group states."""
+    base = state.get("base_optimizer_state", state.get("optimizer_state_dict"))
+    if isinstance(base, list):
+        base = {"state": dict(enumerate(base)), "param_groups": []}
+    if not isinstance(base, dict) or not isinstance(base.get("state"), dict):
+        raise CheckpointError(f"{directory}: an optimizer file holds no base optimizer state")
+    for index, entry in base["state"].items():
+        unknown = sorted(set(entry) - {"step", *ADAM_KEYS})
+        if unknown or not all(key in entry for key in ADAM_KEYS):
+            raise CheckpointError(
+                f"{directory}: optimizer state {index} has keys {sorted(entry)}: only Adam's (step, exp_avg, "
+                "exp_avg_sq) are read"
+            )
+    return base
+
+
+def _moment(state: dict[Any, Any], index: int, key: str, directory: Path) -> torch.Tensor:
+    entry = state.get(index)
+    if entry is None:
+        raise CheckpointError(f"{directory}: no optimizer state for flat group {index}")
+    return entry[key].reshape(-1).float()
+
+
+def _partition(state: dict[str, Any], key: str, index: int, directory: Path) -> torch.Tensor:
+    groups = _list(state, key, directory)
+    if index >= len(groups):
+        raise CheckpointError(
+            f"{directory}: {key} has {len(groups)} groups, the model states {index + 1} or more"
+        )
+    return groups[index].reshape(-1).float()
+
+
+def _list(state: dict[str, Any], key: str, directory: Path) -> list[torch.Tensor]:
+    value = state.get(key)
+    if not isinstance(value, list) or not all(isinstance(t, torch.Tensor) for t in value):
+        raise CheckpointError(f"{directory}: an optimizer file has no {key} list of tensors")
+    return [t.reshape(-1).float() for t in value]
+
+
+def _hyperparameters(base: dict[str, Any], groups: int, directory: Path) -> dict[str, Any]:
+    steps = []
+    for index in sorted(base["state"]):
+        step = base["state"][index].get("step", 0)
+        steps.append(int(step.item() if isinstance(step, torch.Tensor) else step))
+    param_groups = [
+        {k: v for k, v in group.items() if k != "params"} for group in base.get("param_groups") or []
+    ]
+    return {"steps": steps, "param_groups": param_groups}
+
+
+def _integer(state: dict[str, Any], key: str, path: Path) -> int:
+    value = state.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise CheckpointError(f"{path}: {key} should be a non-negative integer, got {value!r}")
+    return value

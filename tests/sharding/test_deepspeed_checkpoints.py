@@ -1,0 +1,118 @@
+"""DeepSpeed ZeRO checkpoints, as DeepSpeed 0.19 itself wrote them (tests/assets/deepspeed, made by
+tests/support/deepspeed_fixtures.py on gloo CPU processes), resumed by tnlg's engine at other world sizes
+and ZeRO stages: its next losses must be DeepSpeed's own resumed run's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+from tests.support.deepspeed_fixtures import CASES, CHECKPOINT, RESUMED_STEPS, SAVE_AT
+from tests.support.deepspeed_resume_cases import resume_in_tnlg
+from tnlg.sharding.checkpoint_files import CheckpointError
+from tnlg.sharding.deepspeed.zero_checkpoint import read_deepspeed_checkpoint
+from tnlg.tools.spawn import RankFailed, run_distributed
+
+CASE = {case.name: case for case in CASES}
+TAG = f"global_step{SAVE_AT}"
+
+
+def deepspeed_record(name: str) -> dict:
+    return json.loads((CASE[name].directory / "resumed_losses.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("name", "world", "stage", "where"),
+    [
+        ("stage2_world2", 1, 2, "trainer"),  # the must-shows: 2 ranks at stage 2 -> 1 and 4 ranks
+        ("stage2_world2", 4, 2, "trainer"),
+        ("stage3_world4", 2, 1, "trainer"),  # 4 ranks at stage 3 -> stage 1
+        ("stage1_world2", 1, 3, "tag"),  # the tag directory itself, stage 1 -> 3
+    ],
+)
+def test_tnlg_resumes_a_deepspeed_run_with_deepspeeds_own_next_losses(name, world, stage, where):
+    checkpoint = CASE[name].directory / CHECKPOINT
+    path = checkpoint if where == "trainer" else checkpoint / TAG
+    result = run_distributed(resume_in_tnlg, world, name, str(path), stage, timeout=300)[0]
+    record = deepspeed_record(name)
+    assert record["world"] != world or record["stage"] != stage  # another layout than DeepSpeed's
+    assert len(result["losses"]) == RESUMED_STEPS
+    for ours, theirs in zip(result["losses"], record["resumed_losses"], strict=True):
+        assert abs(ours - theirs) <= 1e-5 * abs(theirs), (result["losses"], record["resumed_losses"])
+    assert result["global_steps"] == SAVE_AT + RESUMED_STEPS
+    assert result["summary"] == {
+        "stage": record["stage"],
+        "world_size": record["world"],
+        "global_steps": SAVE_AT,
+        "adam_step": SAVE_AT,
+    }
+
+
+def test_the_warmup_schedule_resumes_where_deepspeed_left_it():
+    """DeepSpeed's WarmupLR (a log ramp over 8 steps) saved at step 3: the resumed engine uses the lrs
+    DeepSpeed's own resumed run used, step by step."""
+    name = "stage2_world2"
+    result = run_distributed(resume_in_tnlg, 1, name, str(CASE[name].directory / CHECKPOINT), 2)[0]
+    expected = deepspeed_record(name)["resumed_lrs"]
+    assert len(set(expected)) == RESUMED_STEPS  # still ramping
+    assert result["lrs"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_resuming_without_the_moments_would_show():
+    """The comparison can fail: the same weights with Adam's state reset give other losses."""
+    name = "stage2_world2"
+    state = read_deepspeed_checkpoint(CASE[name].directory / CHECKPOINT)
+    assert all(float(t.abs().max()) > 0 for t in state.moments["exp_avg_sq"].values())
+    assert state.adam_steps == [SAVE_AT]
+
+
+@pytest.mark.parametrize("name", ["stage1_world2", "stage2_world2"])
+def test_masters_are_the_weights_deepspeed_saved(name):
+    """At stages 1-2 DeepSpeed also saves the module's weights whole (fp32 here): the masters rebuilt
+    from its flat partitions are exactly those, and the tied head is recorded as an alias."""
+    state = read_deepspeed_checkpoint(CASE[name].directory / CHECKPOINT)
+    module = torch.load(state.directory / "mp_rank_00_model_states.pt", weights_only=True)["module"]
+    assert set(state.masters) == set(module) - {"lm_head.weight"}
+    for parameter, tensor in state.masters.items():
+        assert torch.equal(tensor, module[parameter]), parameter
+    assert state.shared == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert "deepspeed" not in sys.modules  # read without importing DeepSpeed
+
+
+@pytest.fixture
+def copied(tmp_path):
+    target = tmp_path / "checkpoint"
+    shutil.copytree(CASE["stage2_world2"].directory / CHECKPOINT, target)
+    return target
+
+
+def test_a_missing_rank_file_is_named(copied):
+    (copied / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(
+        CheckpointError, match=r"saved by 2 data-parallel ranks but has no optimizer file for rank\(s\) \[1\]"
+    ):
+        read_deepspeed_checkpoint(copied)
+
+
+def test_latest_naming_a_missing_tag_is_named(copied):
+    (copied / "latest").write_text("global_step9")
+    with pytest.raises(CheckpointError, match="names tag 'global_step9'"):
+        read_deepspeed_checkpoint(copied)
+
+
+def test_a_pickled_class_outside_deepspeed_is_refused_not_run(copied):
+    path = copied / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    state = torch.load(path, weights_only=False) if False else None  # noqa: F841 (never unpickled here)
+    torch.save({"optimizer_state_dict": {"hook": RankFailed("x")}}, path)
+    with pytest.raises(CheckpointError, match="weights_only=True"):
+        read_deepspeed_checkpoint(copied)
+
+
+def test_tensor_parallel_deepspeed_checkpoints_are_refused_by_name(copied):
+    shutil.copy(copied / TAG / "mp_rank_00_model_states.pt", copied / TAG / "mp_rank_01_model_states.pt")
+    with pytest.raises(CheckpointError, match="several model-parallel ranks"):
+        read_deepspeed_checkpoint(copied)

@@ -1,0 +1,193 @@
+"""The DeepSpeed ZeRO checkpoints in tests/assets/deepspeed, written by DeepSpeed itself, and the script
+that wrote them.
+
+    pip install deepspeed            # 0.19.8 wrote the committed ones, on torch 2.13 (CPU)
+    DS_ACCELERATOR=cpu python -m tests.support.deepspeed_fixtures
+
+For each case, `world` gloo processes on the CPU train the tiny TNLG model below under DeepSpeed
+(fp32, torch's AdamW as the client optimizer, ZeRO stage `stage`) for SAVE_AT steps and call
+`engine.save_checkpoint(DIR/checkpoint-3)`, which writes the Transformers Trainer's layout
+(`checkpoint-3/latest` naming `global_step3/`), and the model's config.json beside it as the Trainer
+does. One case trains a Transformers `GPT2LMHeadModel` of the same shape instead (`--from deepspeed` of
+a GPT-2 run). A fresh DeepSpeed engine then loads that checkpoint
+and trains RESUMED_STEPS more steps: its losses, DeepSpeed's own resumed run, are what tnlg's resumed
+run must reproduce, in `resumed_losses.json` beside the checkpoint. The batches are `global_batch(step)`:
+every rank takes its contiguous share of the same global batch, so any world size sees the same data.
+
+DeepSpeed's copy of its consolidation script (zero_to_torch.py in 0.19) is dropped from the committed tree (it is DeepSpeed's code, and
+nothing here runs it); the rest is as DeepSpeed wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tnlg import TNLGConfig, TNLGForCausalLM
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "deepspeed"
+SAVE_AT = 3
+RESUMED_STEPS = 3
+GLOBAL_BATCH = 4
+SEQUENCE = 16
+ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+CHECKPOINT = f"checkpoint-{SAVE_AT}"
+
+
+@dataclass(frozen=True)
+class Case:
+    stage: int
+    world: int
+    warmup: bool = False  # DeepSpeed's WarmupLR, still warming up when saved and after
+    model: str = "tnlg"  # or "gpt2": a Transformers GPT2LMHeadModel of the same shape
+
+    @property
+    def name(self) -> str:
+        return f"stage{self.stage}_world{self.world}" + ("_gpt2" if self.model == "gpt2" else "")
+
+    @property
+    def directory(self) -> Path:
+        return ASSETS / self.name
+
+
+CASES = (
+    Case(stage=1, world=2),
+    Case(stage=2, world=2, warmup=True),
+    Case(stage=3, world=4),
+    Case(stage=3, world=2, model="gpt2"),
+)
+
+
+def tiny_config() -> TNLGConfig:
+    """Two layers, hidden 32, a 96-token vocabulary, tied embeddings, no dropout (so that the losses
+    compare exactly)."""
+    return TNLGConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=SEQUENCE, embedding_dropout=0.0, attention_dropout=0.0,
+        hidden_dropout=0.0, fused_kernels="none",
+    )  # fmt: skip
+
+
+def initial_model(kind: str = "tnlg") -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        from transformers import GPT2LMHeadModel
+
+        from tnlg.tools.convert import gpt2_config
+
+        config = gpt2_config(tiny_config())
+        config.use_cache = False
+        return GPT2LMHeadModel(config)
+    return TNLGForCausalLM(tiny_config())
+
+
+def global_batch(step: int) -> torch.Tensor:
+    """Step `step`'s (GLOBAL_BATCH, SEQUENCE) token ids; the labels are the ids (the model shifts)."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, tiny_config().vocab_size, (GLOBAL_BATCH, SEQUENCE), generator=generator)
+
+
+def rank_share(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    share = batch.shape[0] // world
+    return batch[rank * share : (rank + 1) * share]
+
+
+def deepspeed_config(case: Case) -> dict:
+    stage, world = case.stage, case.world
+    schedule = {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0.0, "warmup_max_lr": ADAMW["lr"], "warmup_num_steps": 8},
+    }
+    return {
+        **({"scheduler": schedule} if case.warmup else {}),
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,  # torch's AdamW: no DeepSpeed op to build
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+    }
+
+
+def train_steps(
+    engine, steps: range, rank: int, world: int, lr: Callable[[], float] | None = None
+) -> tuple[list[float], list[float]]:
+    """Steps of a DeepSpeed or a tnlg engine (the same calls): each step's loss averaged over the ranks
+    (the global batch's mean loss), and, with `lr` (it reads the lr), the lr each step used."""
+    losses, lrs = [], []
+    for step in steps:
+        if lr is not None:
+            lrs.append(lr())
+        ids = rank_share(global_batch(step), rank, world)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return losses, lrs
+
+
+def write_case(rank: int, case: Case) -> None:
+    import deepspeed
+
+    world = case.world
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = deepspeed_config(case)
+
+    model = initial_model(case.model)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    first, _ = train_steps(engine, range(SAVE_AT), rank, world)
+    engine.save_checkpoint(str(case.directory / CHECKPOINT))
+    if rank == 0:  # as the Transformers Trainer saves it beside DeepSpeed's files
+        model.config.save_pretrained(case.directory / CHECKPOINT)
+    torch.distributed.barrier()
+
+    model = initial_model(case.model)  # a fresh engine, as a resumed job builds it; load_checkpoint fills it
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine.load_checkpoint(str(case.directory / CHECKPOINT))
+    resumed, lrs = train_steps(
+        engine,
+        range(SAVE_AT, SAVE_AT + RESUMED_STEPS),
+        rank,
+        world,
+        lambda: engine.optimizer.param_groups[0]["lr"],
+    )
+    if rank == 0:
+        record = {
+            "deepspeed": deepspeed.__version__, "torch": torch.__version__, "stage": case.stage,
+            "world": world, "config": config, "adamw": {**ADAMW, "betas": list(ADAMW["betas"])},
+            "losses_before_save": first, "resumed_losses": resumed, "resumed_lrs": lrs,
+        }  # fmt: skip
+        (case.directory / "resumed_losses.json").write_text(json.dumps(record, indent=2) + "\n")
+        for script in (case.directory / CHECKPOINT).glob("zero_to_*.py"):
+            script.unlink()
+    torch.distributed.destroy_process_group()
+
+
+def main() -> int:
+    if os.environ.get("DS_ACCELERATOR") != "cpu":
+        print("set DS_ACCELERATOR=cpu (the fixtures are written on the CPU, over gloo)", file=sys.stderr)
+        return 2
+    for case in CASES:
+        shutil.rmtree(case.directory, ignore_errors=True)
+        case.directory.mkdir(parents=True)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29700 + case.stage))
+        torch.multiprocessing.spawn(write_case, args=(case,), nprocs=case.world, join=True)
+        print(f"wrote {case.directory}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""What each rank runs when tnlg resumes a run from a DeepSpeed-written checkpoint (module-level so that
+spawned processes can import it; DeepSpeed itself is not needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.support.deepspeed_fixtures import ADAMW, CASES, RESUMED_STEPS, SAVE_AT, tiny_config, train_steps
+from tnlg import TNLGForCausalLM
+from tnlg.sharding import initialize
+
+
+def resumed_config(case_name: str, stage: int) -> dict:
+    """The run's DeepSpeed JSON, at tnlg's world size and ZeRO stage: the micro batch is left to be
+    derived from the global batch and the world size, as a user changing either would."""
+    (case,) = (case for case in CASES if case.name == case_name)
+    config = json.loads((case.directory / "resumed_losses.json").read_text())["config"]
+    config.pop("train_micro_batch_size_per_gpu", None)
+    return {**config, "zero_optimization": {"stage": stage}}
+
+
+def resume_in_tnlg(rank: int, world: int, case_name: str, checkpoint: str, stage: int) -> dict:
+    torch.manual_seed(123)  # weights unlike DeepSpeed's start: everything must come from the checkpoint
+    model = TNLGForCausalLM(tiny_config())
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    engine = initialize(model, optimizer, resumed_config(case_name, stage))
+    summary = engine.load_checkpoint(Path(checkpoint))
+    steps = range(SAVE_AT, SAVE_AT + RESUMED_STEPS)
+    losses, lrs = train_steps(engine, steps, rank, world, lambda: engine.base_optimizer.param_groups[0]["lr"])
+    kept = ("stage", "world_size", "global_steps", "adam_step")
+    return {
+        "losses": losses,
+        "lrs": lrs,
+        "global_steps": engine.global_steps,
+        "summary": {key: value for key, value in summary.items() if key in kept},
+    }

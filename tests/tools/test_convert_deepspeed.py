@@ -1,0 +1,81 @@
+"""`from_deepspeed` and `convert_checkpoint.py --from deepspeed` on checkpoints DeepSpeed 0.19 itself wrote
+(tests/assets/deepspeed): the converted model's loss on the batch after the save is the one DeepSpeed's
+own resumed run computed from the same weights, before its first update."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from scripts import convert_checkpoint
+from tests.support.deepspeed_fixtures import CASES, CHECKPOINT, SAVE_AT, global_batch
+from tnlg import TNLGForCausalLM
+from tnlg.tools.convert import from_deepspeed
+
+CASE = {case.name: case for case in CASES}
+
+
+def deepspeed_first_resumed_loss(name: str) -> float:
+    return json.loads((CASE[name].directory / "resumed_losses.json").read_text())["resumed_losses"][0]
+
+
+def loss_of(model: torch.nn.Module) -> float:
+    ids = global_batch(SAVE_AT)
+    with torch.no_grad():
+        return model(input_ids=ids, labels=ids).loss.item()
+
+
+@pytest.mark.parametrize("name", sorted(CASE))
+def test_converted_model_scores_deepspeeds_resumed_loss(name):
+    model = from_deepspeed(CASE[name].directory / CHECKPOINT)
+    assert isinstance(model, TNLGForCausalLM)
+    assert loss_of(model) == pytest.approx(deepspeed_first_resumed_loss(name), rel=1e-5)
+
+
+def test_a_gpt2_run_converts_to_the_same_logits_as_gpt2_itself():
+    """The GPT-2 case's masters loaded into Transformers' GPT2LMHeadModel by their own names, against
+    the converted TNLG model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tnlg.sharding.deepspeed.zero_checkpoint import read_deepspeed_checkpoint
+
+    checkpoint = CASE["stage3_world2_gpt2"].directory / CHECKPOINT
+    gpt2 = GPT2LMHeadModel(GPT2Config.from_pretrained(checkpoint)).eval()
+    loaded = gpt2.load_state_dict(read_deepspeed_checkpoint(checkpoint).masters, strict=False)
+    assert loaded.unexpected_keys == [] and set(loaded.missing_keys) <= {"lm_head.weight"}
+    ids = global_batch(SAVE_AT)
+    with torch.no_grad():
+        expected = gpt2(input_ids=ids).logits
+        got = from_deepspeed(checkpoint)(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_script_writes_a_model_from_pretrained_loads(tmp_path):
+    name = "stage2_world2"
+    output = tmp_path / "model"
+    convert_checkpoint.main(
+        ["--from", "deepspeed", "--input", str(CASE[name].directory / CHECKPOINT), "--output", str(output)]
+    )
+    model = TNLGForCausalLM.from_pretrained(output)
+    assert loss_of(model) == pytest.approx(deepspeed_first_resumed_loss(name), rel=1e-5)
+
+
+def test_without_a_config_the_error_names_the_option(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(CASE["stage1_world2"].directory / CHECKPOINT, checkpoint)
+    (checkpoint / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="pass the model's config with --config"):
+        from_deepspeed(checkpoint)
+    model = from_deepspeed(
+        checkpoint / f"global_step{SAVE_AT}", config=CASE["stage1_world2"].directory / CHECKPOINT
+    )
+    assert loss_of(model) == pytest.approx(deepspeed_first_resumed_loss("stage1_world2"), rel=1e-5)
+
+
+def test_config_with_another_source_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        convert_checkpoint.parse_args(["--from", "gpt2", "--config", "x", "--input", "a", "--output", "b"])
+    assert "--config is for --from deepspeed" in capsys.readouterr().err
