@@ -1,9 +1,15 @@
 """Evaluate a TNLG checkpoint: perplexity (sliding window, bits per byte), LAMBADA-style last-word
-accuracy, and a fine-tuning task's metric (ROUGE for summarization, SQuAD EM/F1 for QA).
+accuracy and perplexity (lm-eval's lambada_openai boundaries), a fine-tuning task's metric (ROUGE for
+summarization, SQuAD EM/F1 for QA), and lm-evaluation-harness tasks run on the model in this process.
 
     python scripts/evaluate.py --model runs/finetune-docstrings/model --config configs/finetune/summarization.yaml
     python scripts/evaluate.py --model runs/pretrain-debug/model --perplexity notes.txt --stride 64
     python scripts/evaluate.py --model DIR --lambada lambada_test.jsonl
+    python scripts/evaluate.py --model DIR --harness lm-eval --tasks lambada_local --include-path tasks/
+
+--harness lm-eval runs lm-eval's tasks (its own, or the task YAML files of --include-path) on the
+loaded model, in one process (pip install "tnlg[eval]"); its metrics are lm-eval's (accuracies as
+fractions).
 
 --perplexity reads a data file (.json, .jsonl, .jsonl.gz, .jsonl.zst, .csv, .parquet: its
 --text-field rows joined by blank lines) or any other file as UTF-8 text (.txt, .md, ...); a file
@@ -20,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 from tnlg.data.finetune import load_rows, validation_rows
+from tnlg.eval.harness import HARNESS, harness_results, require_lm_eval, run_lm_eval, task_manager
 from tnlg.eval.suite import (
     evaluate_lambada,
     evaluate_perplexity,
@@ -72,7 +80,8 @@ def evaluate_config_task(
     )
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The arguments and the config overrides, checked: a wrong combination exits 2 naming it."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -99,30 +108,81 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--zero-config", help="ZeroConfig or DeepSpeed JSON for the sharded model")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    harness = parser.add_argument_group("lm-evaluation-harness (--harness lm-eval)")
+    harness.add_argument("--harness", choices=[HARNESS], help="run the --tasks of this harness on the model")
+    harness.add_argument("--tasks", help="comma-separated task names (lm-eval's, or --include-path's)")
+    harness.add_argument("--include-path", type=Path, help="a folder of lm-eval task YAML files")
+    harness.add_argument("--num-fewshot", type=int, help="default: each task's own")
+    harness.add_argument("--limit", type=int, help="score only the first N documents of each task")
+    harness.add_argument("--batch-size", type=int, default=1, help="lm-eval's batch size (default 1)")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if not (args.config or args.perplexity or args.lambada):
-        parser.error("nothing to evaluate: give --config, --perplexity or --lambada")
+    if not (args.config or args.perplexity or args.lambada or args.harness):
+        parser.error("nothing to evaluate: give --config, --perplexity, --lambada or --harness")
     if overrides and not args.config:
         parser.error(f"config overrides {overrides} need --config")
+    harness_only = ("tasks", "include_path", "num_fewshot", "limit")
+    given = [f"--{name.replace('_', '-')}" for name in harness_only if getattr(args, name) is not None]
+    if given and not args.harness:
+        parser.error(f"{', '.join(given)}: only with --harness {HARNESS}")
+    if args.harness:
+        check_harness_arguments(parser, args)
+    return args, overrides
+
+
+def check_harness_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--harness needs --tasks, an existing --include-path, one process and lm-eval installed."""
+    if not args.tasks or not [name for name in args.tasks.split(",") if name.strip()]:
+        parser.error(f"--harness {HARNESS} needs --tasks T1,T2")
+    if args.include_path is not None and not args.include_path.is_dir():
+        parser.error(f"--include-path {args.include_path}: no such directory of task YAML files")
+    if args.zero_stage is not None or args.zero_config or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # [Note: lm-eval in process]: HFLM takes the whole model in one process, not a sharded one
+        parser.error(
+            f"--harness {HARNESS} runs the whole model in one process: launch it without accelerate / "
+            "torchrun and without --zero-stage / --zero-config"
+        )
+    try:
+        require_lm_eval()
+    except ImportError as error:
+        parser.error(str(error))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, overrides = parse_arguments(argv)
     configure_logging()
     config = load_finetune_config(args.config, overrides) if args.config else None
+    tasks = [name.strip() for name in args.tasks.split(",") if name.strip()] if args.harness else []
+    # The task names are checked before the model loads: a misspelt one costs no evaluation.
+    manager = task_manager(tasks, args.include_path) if args.harness else None
     target = results_path(args.model)  # a damaged earlier results file stops us before the evaluations
     model, tokenizer = load_for_evaluation(args.model, args.zero_stage, DTYPES[args.dtype], args.zero_config)
     model_module = getattr(model, "module", model)
+    positions = model_module.config.max_position_embeddings
     results: dict[str, dict] = {}
     for path in args.perplexity:
-        max_length = args.max_length or model_module.config.max_position_embeddings
+        max_length = args.max_length or positions
         results[f"perplexity:{path.name}"] = evaluate_perplexity(
             model, tokenizer, path, max_length=max_length, stride=args.stride, text_field=args.text_field
         )
     if args.lambada:
         results[f"lambada:{args.lambada.name}"] = evaluate_lambada(
-            model, tokenizer, args.lambada, args.text_field
+            model, tokenizer, args.lambada, args.text_field, max_length=positions
         )
     if config is not None:
         results[f"task:{config.task.kind}"] = evaluate_config_task(
             model, tokenizer, config, args.split, args.max_examples
         )
+    if manager is not None:
+        output = run_lm_eval(
+            model,
+            tokenizer,
+            manager,
+            tasks,
+            num_fewshot=args.num_fewshot,
+            batch_size=args.batch_size,
+            limit=args.limit,
+        )
+        results |= harness_results(output)
     if rank_and_world()[0] == 0:
         print(results_table(results))  # before saving: a failed write still shows what was measured
     if target is None:

@@ -1,5 +1,7 @@
 """Evaluations: sliding-window perplexity equals exp(mean NLL) computed directly, token by token;
-last-word accuracy needs every token of the word; SQuAD EM/F1 and ROUGE match hand-computed values."""
+last-word accuracy needs every token of the word, split at the last space as lm-eval splits it (the
+passage-for-passage comparison with lm-eval is tests/eval/test_lm_eval_parity.py); SQuAD EM/F1 and
+ROUGE match hand-computed values."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tnlg.eval.perplexity import last_word_accuracy, perplexity, split_last_word
+from tnlg.eval.lambada import encode_passage, last_word_scores, split_last_word
+from tnlg.eval.perplexity import perplexity
 from tnlg.eval.text_metrics import normalize_answer, rouge_scores, squad_scores, token_f1
 
 
@@ -83,12 +86,35 @@ class MemorizedText(nn.Module):
 def test_last_word_accuracy_needs_every_token_of_the_word():
     model = MemorizedText("xyz abc")
     passages = ["xyz abc", "xyz abd", "xyz ab", "xy zab"]  # right; last token wrong; right; wrong start
-    result = last_word_accuracy(model, CharTokenizer(), passages)
+    result = last_word_scores(model, CharTokenizer(), passages)
     assert (result.correct, result.total) == (2, 4)
     assert result.accuracy == 50.0
-    assert split_last_word("a b\ncd ") == ("a b", "\ncd")
+    # Each logit row is one 1.0 among 255 zeros: a hit scores log(e / (e + 255)), a miss log(1 / (e + 255)).
+    hit, miss = 1 - math.log(math.e + 255), -math.log(math.e + 255)
+    # " abc": 4 hits; " abd": its last token missed; " ab": 3 hits; " zab" after "xy": only "b" after "a"
+    loglikelihood = 4 * hit + (3 * hit + miss) + 3 * hit + (3 * miss + hit)
+    assert math.log(result.perplexity) == pytest.approx(-loglikelihood / 4, rel=1e-6)  # float32 logits
+
+
+def test_the_last_word_is_split_at_the_last_space_as_lm_eval_splits_it():
+    # The target keeps its leading space; only a space splits; nothing is stripped.
+    assert split_last_word("a b\ncd") == ("a", " b\ncd")
+    assert split_last_word("the end.\n") == ("the", " end.\n")
+    # Whitespace ending the context moves to the target (lm-eval's TemplateLM._encode_pair).
+    assert encode_passage(CharTokenizer(), "one two  three") == (
+        [ord(c) for c in "one two"],
+        [ord(c) for c in "  three"],
+    )
+    assert encode_passage(CharTokenizer(), "one\n last") == (
+        [ord(c) for c in "one"],
+        [ord(c) for c in "\n last"],
+    )
     with pytest.raises(ValueError, match="no context"):
         split_last_word("lonely")
+    with pytest.raises(ValueError, match="no context"):
+        split_last_word("  lonely")
+    with pytest.raises(ValueError, match="ends with a space"):
+        split_last_word("a b ")
 
 
 def test_squad_exact_match_and_f1_match_hand_computed_values():

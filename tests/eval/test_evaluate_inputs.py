@@ -16,7 +16,8 @@ import torch
 from tests.support import REPO
 from tnlg.data.tasks import IGNORE_INDEX, TaskFormat, encode_example
 from tnlg.data.tokenizer import byte_level_tokenizer
-from tnlg.eval.perplexity import LastWordResult, PerplexityResult
+from tnlg.eval.lambada import LastWordResult
+from tnlg.eval.perplexity import PerplexityResult
 from tnlg.eval.suite import evaluate_lambada, evaluate_perplexity, read_text
 from tnlg.eval.tasks import target_loss, task_scores
 from tnlg.inference.settings import GenerationSettings

@@ -1,4 +1,4 @@
 """Evaluation: perplexity (sliding window, bits per byte; the in-run validation perplexity), LAMBADA-style
-last-word accuracy, the task metrics of fine-tuning (`tasks`: the references' loss and ROUGE or SQuAD
-EM / F1 of generated answers; `text_metrics`), and `suite`, what scripts/evaluate.py runs on a saved
-checkpoint."""
+last-word accuracy and perplexity with lm-eval's boundaries (`lambada`), the task metrics of fine-tuning
+(`tasks`: the references' loss and ROUGE or SQuAD EM / F1 of generated answers; `text_metrics`), `suite`,
+what scripts/evaluate.py runs on a saved checkpoint, and `harness`, lm-evaluation-harness in process."""

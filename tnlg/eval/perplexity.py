@@ -1,4 +1,5 @@
-"""Model evaluations: sliding-window perplexity (and bits per byte), and LAMBADA-style last-word accuracy.
+"""Model evaluations: sliding-window perplexity (and bits per byte), and the in-run validation perplexity
+(LAMBADA-style last-word accuracy and perplexity are in tnlg.eval.lambada).
 
 Perplexity follows the WikiText-103 practice (Transformers' "Perplexity of fixed-length models"): the
 text is one token stream; windows of `max_length` tokens advance by `stride`, and each window scores
@@ -7,14 +8,9 @@ only the tokens the previous one did not, each with up to `max_length - 1` token
 is not scored (as in Transformers' recipe); neither is the stream's first token. Bits per byte divide the summed NLL (in bits) by the text's UTF-8 bytes, which makes
 models with different tokenizers comparable.
 
-Last-word accuracy (LAMBADA, Paperno et al. 2016): a passage's last whitespace-separated word is the
-target; greedy decoding must produce all of its tokens. This is checked in one forward pass (teacher
-forcing): greedy decoding produces the word exactly when the argmax at each of its positions is its
-next token.
-
-Both run distributed when a process group exists: each rank takes a contiguous share of the windows
-or passages, ranks with a shorter share repeat one with no weight (so that under ZeRO stage 3, where
-every forward pass is collective, all ranks run as many), and the sums are all-reduced.
+Sliding-window perplexity runs distributed when a process group exists: each rank takes a contiguous
+share of the windows, ranks with a shorter share repeat one with no weight (so that under ZeRO stage 3,
+where every forward pass is collective, all ranks run as many), and the sums are all-reduced.
 """
 
 from __future__ import annotations
@@ -104,58 +100,6 @@ def perplexity(
         totals += weight * torch.tensor([nll, targets.numel()], dtype=torch.float64)
     totals = all_ranks_sum(totals)
     return PerplexityResult(totals[0].item(), int(totals[1].item()), text_bytes)
-
-
-@dataclass(frozen=True)
-class LastWordResult:
-    correct: int
-    total: int
-
-    def __post_init__(self) -> None:
-        if self.total <= 0:
-            raise ValueError(f"last-word accuracy over {self.total} passages: nothing was evaluated")
-
-    @property
-    def accuracy(self) -> float:
-        return 100.0 * self.correct / self.total
-
-    def as_dict(self) -> dict[str, float | int]:
-        return {"accuracy": self.accuracy, "correct": self.correct, "total": self.total}
-
-
-def split_last_word(passage: str) -> tuple[str, str]:
-    """(context, last word): the word is the passage's last whitespace-separated token."""
-    stripped = passage.rstrip()
-    cut = max(stripped.rfind(" "), stripped.rfind("\n"), stripped.rfind("\t"))
-    if cut <= 0:
-        raise ValueError(f"passage has no context before its last word: {passage[:80]!r}")
-    return stripped[:cut], stripped[cut:]  # the word keeps its leading space, as a GPT tokenizer sees it
-
-
-@torch.no_grad()
-def last_word_accuracy(
-    model: nn.Module,
-    tokenizer,
-    passages: Sequence[str],
-    *,
-    device: torch.device | str | None = None,
-) -> LastWordResult:
-    """How many passages greedy decoding completes with exactly their last word (multi-token words too)."""
-    if not passages:
-        raise ValueError("no passages to evaluate")
-    device = torch.device(device) if device is not None else model_device(model)
-    correct = torch.zeros(1, dtype=torch.float64)
-    for passage, weight in rank_share(list(passages)):
-        context, word = split_last_word(passage)
-        context_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
-        word_ids = tokenizer(word, add_special_tokens=False)["input_ids"]
-        if not context_ids or not word_ids:
-            raise ValueError(f"passage tokenizes to an empty context or word: {passage[:80]!r}")
-        ids = torch.tensor([context_ids + word_ids], device=device)
-        logits = model(input_ids=ids).logits[0]  # (T, V)
-        predicted = logits[len(context_ids) - 1 : -1].argmax(-1)
-        correct += weight * float(torch.equal(predicted.cpu(), torch.tensor(word_ids)))
-    return LastWordResult(int(all_ranks_sum(correct).item()), len(passages))
 
 
 @torch.no_grad()

@@ -5,7 +5,8 @@
   by blank lines; any other file (.txt, .md, .py, no suffix) is read as UTF-8 text, whole. A file that
   is not UTF-8 (named with the byte offset), holds a NUL byte (binary), or is another compressed
   file (.txt.gz: decompress it first) is refused rather than scored as something it is not;
-- `lambada`: last-word accuracy over a data file of passages (`text_field`);
+- `lambada`: last-word accuracy and perplexity over a data file of passages (`text_field`), with the
+  boundaries of lm-eval's `lambada_openai` (see [Note: LAMBADA boundaries] in tnlg.eval.lambada);
 - `task`: a fine-tuning task on rows (scripts/evaluate.py passes a config's validation rows, or
   another split, and its generation settings): the references' loss and ROUGE (summarization) or
   SQuAD EM / F1 (QA).
@@ -30,7 +31,8 @@ import torch
 from tnlg.data.files import DamagedFileError, compression_of
 from tnlg.data.finetune import BUILDERS, Rows, encode_rows, load_rows
 from tnlg.data.tasks import TaskFormat
-from tnlg.eval.perplexity import last_word_accuracy, perplexity, split_last_word
+from tnlg.eval.lambada import last_word_scores, split_last_word
+from tnlg.eval.perplexity import perplexity
 from tnlg.eval.tasks import task_metrics
 from tnlg.inference.distributed import init_process_group_from_environment, load_sharded_model
 from tnlg.inference.generation import load_model_and_tokenizer
@@ -126,7 +128,11 @@ def evaluate_perplexity(
     return {"source": str(path), "max_length": max_length, "stride": stride or max_length, **result.as_dict()}
 
 
-def evaluate_lambada(model, tokenizer, path: str | Path, text_field: str = "text") -> dict[str, Any]:
+def evaluate_lambada(
+    model, tokenizer, path: str | Path, text_field: str = "text", max_length: int | None = None
+) -> dict[str, Any]:
+    """Last-word accuracy and perplexity of the passages of a data file; passages longer than
+    `max_length` tokens (the model's positions) keep their last ones, as lm-eval's do."""
     if not is_data_file(path):
         raise ValueError(
             f"{path}: LAMBADA passages are read from a data file ({', '.join(DATA_SUFFIXES)}) with a "
@@ -138,7 +144,8 @@ def evaluate_lambada(model, tokenizer, path: str | Path, text_field: str = "text
             split_last_word(passage)
         except ValueError as error:
             raise ValueError(f"{path} row {index}: {error}") from error
-    return {"source": str(path), **last_word_accuracy(model, tokenizer, passages).as_dict()}
+    result = last_word_scores(model, tokenizer, passages, max_length=max_length)
+    return {"source": str(path), **result.as_dict()}
 
 
 # Rows, task format and generation settings, not a FinetuneConfig: eval sits below tnlg.run (which
