@@ -75,6 +75,8 @@ def deepspeed_tag_directory(path: str | Path) -> Path | None:
         return None
     if (path / LATEST).is_file():
         tag = (path / LATEST).read_text().strip()
+        if tag.startswith("{"):  # a tnlg run's own `latest` pointer (JSON), not DeepSpeed's plain tag
+            return None
         if not tag or "/" in tag or "\\" in tag:
             raise CheckpointError(f"{path / LATEST} should name a DeepSpeed checkpoint tag, got {tag!r}")
         tagged = path / tag

@@ -116,3 +116,12 @@ def test_tensor_parallel_deepspeed_checkpoints_are_refused_by_name(copied):
     shutil.copy(copied / TAG / "mp_rank_00_model_states.pt", copied / TAG / "mp_rank_01_model_states.pt")
     with pytest.raises(CheckpointError, match="several model-parallel ranks"):
         read_deepspeed_checkpoint(copied)
+
+
+def test_a_tnlg_run_roots_latest_pointer_is_not_taken_for_deepspeeds(tmp_path):
+    """A tnlg run's checkpoint root also has a `latest` file (JSON naming its checkpoint): not DeepSpeed's."""
+    from tnlg.sharding.deepspeed.restore import is_deepspeed_checkpoint
+
+    (tmp_path / "latest").write_text('{"checkpoint": "step-00000004"}')
+    assert not is_deepspeed_checkpoint(tmp_path)
+    assert is_deepspeed_checkpoint(CASE["stage1_world2"].directory / CHECKPOINT)
