@@ -115,14 +115,17 @@ __all__ = [  # the checkpoint names callers import from here, wherever they are 
     "SavedParam",
     "ShardReader",
     "TensorLayout",
+    "check_same_parameters",
     "engine_directory",
     "is_sliced",
     "load_engine",
+    "numeric_hyperparameters",
     "rank_file",
     "read_manifest",
     "read_on_every_rank",
     "save_engine",
     "saved_params",
+    "scalar_state_device",
     "tensor_layout",
     "tnlg_version",
 ]
@@ -465,7 +468,7 @@ def _read_shard(
         live_shapes[name] = tuple(
             n * degree if cut is not None and d == cut.dim else n for d, n in enumerate(slot.shape)
         )
-    _check_same_parameters(directory, saved.shapes, live_shapes, model_names)
+    check_same_parameters(directory, saved.shapes, live_shapes, model_names)
     for name in live:
         saved.cut(name, cuts.get(name))  # the same cut on both sides, where both cut it
     loaded = [
@@ -494,7 +497,11 @@ def _read_group(
     live_group = optimizer.param_groups[group_index]
     param_groups = saved.manifest["param_groups"]
     if not group.layout.slots:  # a param group empty on this pipeline stage: nothing to read
-        return torch.zeros_like(group.master), {}, _hyperparameters(param_groups[group_index], live_group)
+        return (
+            torch.zeros_like(group.master),
+            {},
+            numeric_hyperparameters(param_groups[group_index], live_group),
+        )
     sources = {saved.holder(slot.name).params[slot.name].group for slot in group.layout.slots}
     if len(sources) != 1:
         raise CheckpointError(
@@ -524,12 +531,12 @@ def _read_group(
     for key in sorted(k for k in saved_keys if k.startswith("scalar.")):
         name = key.removeprefix("scalar.")
         reference = optimizer.state.get(group.master, {}).get(name)
-        device = reference.device if reference is not None else _scalar_state_device(optimizer, group)
+        device = reference.device if reference is not None else scalar_state_device(optimizer, group)
         state[name] = first.reader.tensor(0, prefix + key).reshape(()).to(device)
-    return master, state, _hyperparameters(param_groups[source], live_group)
+    return master, state, numeric_hyperparameters(param_groups[source], live_group)
 
 
-def _hyperparameters(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+def numeric_hyperparameters(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
     """A saved param group's numeric hyperparameters (lr, betas' scalars, ...) the live group has."""
     return {
         key: value
@@ -538,7 +545,7 @@ def _hyperparameters(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, A
     }
 
 
-def _check_same_parameters(
+def check_same_parameters(
     directory: Path,
     saved: dict[str, tuple[int, ...]],
     live: dict[str, tuple[int, ...]],
@@ -562,7 +569,7 @@ def _check_same_parameters(
         raise CheckpointError(f"{directory} holds a different model's parameters; " + "; ".join(problems))
 
 
-def _scalar_state_device(optimizer: torch.optim.Optimizer, group) -> torch.device:
+def scalar_state_device(optimizer: torch.optim.Optimizer, group) -> torch.device:
     # torch keeps Adam's step on the CPU unless the optimizer is fused or capturable.
     fused = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
     return group.master.device if fused else torch.device("cpu")

@@ -4,12 +4,12 @@ one of tnlg's checkpoints, with no conversion step (see [Note: DeepSpeed ZeRO ch
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..checkpoint import check_same_parameters, numeric_hyperparameters, scalar_state_device
 from ..checkpoint_files import MANIFEST, CheckpointError
 from ..engine_state import EngineState
 from .zero_checkpoint import ADAM_KEYS, DeepSpeedZeroState, deepspeed_tag_directory, read_deepspeed_checkpoint
@@ -32,8 +32,9 @@ def load_deepspeed_checkpoint(engine: EngineState, path: str | Path, sliced: boo
             "pipeline stages (data parallelism at any world size and ZeRO stage)"
         )
     state = read_deepspeed_checkpoint(path)
-    live = {slot.name: slot for group in engine.groups for slot in group.layout.slots}
-    _check_same_parameters(state, {name: tuple(slot.shape) for name, slot in live.items()})
+    live = {slot.name: tuple(slot.shape) for group in engine.groups for slot in group.layout.slots}
+    saved = {name: tuple(tensor.shape) for name, tensor in state.masters.items()}
+    check_same_parameters(state.directory, saved, live, set(live))
     if len(set(state.adam_steps)) > 1:
         raise CheckpointError(
             f"{state.directory}: Adam's step differs between flat groups: {state.adam_steps}"
@@ -65,26 +66,6 @@ def load_deepspeed_checkpoint(engine: EngineState, path: str | Path, sliced: boo
     }  # fmt: skip
 
 
-def _check_same_parameters(state: DeepSpeedZeroState, live: Mapping[str, tuple[int, ...]]) -> None:
-    saved = {name: tuple(tensor.shape) for name, tensor in state.masters.items()}
-    missing = sorted(set(live) - set(saved))
-    unexpected = sorted(set(saved) - set(live))
-    reshaped = sorted(
-        f"{n}: saved {list(saved[n])}, model {list(s)}"
-        for n, s in live.items()
-        if n in saved and saved[n] != s
-    )
-    problems = [
-        f"{label}: {', '.join(names[:5])}" + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
-        for label, names in (("missing", missing), ("unexpected", unexpected), ("different shape", reshaped))
-        if names
-    ]
-    if problems:
-        raise CheckpointError(
-            f"{state.directory} holds a different model's parameters; " + "; ".join(problems)
-        )
-
-
 def _group_state(
     engine: EngineState, index: int, group: Any, state: DeepSpeedZeroState, step: int
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
@@ -113,15 +94,9 @@ def _group_state(
         for key in ADAM_KEYS:
             moments[key][at : at + end - start].copy_(state.moments[key][slot.name].reshape(-1)[start:end])
     live = optimizer.state.get(group.master, {}).get("step")
-    fused = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
-    device = live.device if live is not None else (group.master.device if fused else torch.device("cpu"))
+    device = live.device if live is not None else scalar_state_device(optimizer, group)
     adam = {"step": torch.tensor(float(step), device=device), **moments}
-    saved_groups = state.param_groups
-    saved = saved_groups[sources.pop()] if sources and len(saved_groups) == len(state.group_names) else {}
-    live_group = optimizer.param_groups[index]
-    hyperparameters = {
-        key: value
-        for key, value in saved.items()
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and key in live_group
-    }
+    same_groups = sources and len(state.param_groups) == len(state.group_names)
+    saved = state.param_groups[sources.pop()] if same_groups else {}
+    hyperparameters = numeric_hyperparameters(saved, optimizer.param_groups[index])
     return master, adam, hyperparameters

@@ -64,7 +64,6 @@ class DeepSpeedZeroState:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     loss_scale: float = 1.0
     lr_scheduler: dict[str, Any] | None = None
-    ds_config: dict[str, Any] = field(default_factory=dict)
 
 
 def deepspeed_tag_directory(path: str | Path) -> Path | None:
@@ -130,12 +129,13 @@ def read_deepspeed_checkpoint(path: str | Path) -> DeepSpeedZeroState:
             "checkpoints of partly frozen models are not read"
         )
     group_names = [list(group) for group in shapes]
-    sizes = {name: math.prod(shape) for group in shapes for name, shape in group.items()}
+    shape_of = {name: tuple(int(n) for n in shape) for group in shapes for name, shape in group.items()}
+    sizes = {name: math.prod(shape) for name, shape in shape_of.items()}
     if stage == 3:
         masters, moments, base = _stage3(states, group_names, sizes, world, directory)
     else:
         masters, moments, base = _stage1_2(states, group_names, sizes, directory)
-    masters = {name: tensor.reshape(tuple(shapes_of(shapes)[name])) for name, tensor in masters.items()}
+    masters = {name: tensor.reshape(shape_of[name]) for name, tensor in masters.items()}
     moments = {
         key: {name: tensor.reshape(masters[name].shape) for name, tensor in by_name.items()}
         for key, by_name in moments.items()
@@ -148,12 +148,7 @@ def read_deepspeed_checkpoint(path: str | Path) -> DeepSpeedZeroState:
         shared=dict(model.get("shared_params") or {}),
         buffers={name: module[name] for name in model.get("buffer_names") or [] if name in module},
         loss_scale=_loss_scale(states[0].get("loss_scaler")), lr_scheduler=model.get("lr_scheduler"),
-        ds_config=dict(model.get("ds_config") or {}),
     )  # fmt: skip
-
-
-def shapes_of(param_shapes: list[dict[str, Any]]) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(int(n) for n in shape) for group in param_shapes for name, shape in group.items()}
 
 
 # ---------------------------------------------------------------------------- the two layouts
@@ -162,6 +157,7 @@ def _stage1_2(states, group_names, sizes, directory):
     masters: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {key: {} for key in ADAM_KEYS}
     bases = [_base_optimizer(state, directory) for state in states]
+    partitions = [_list(state, "single_partition_of_fp32_groups", directory) for state in states]
     for group_index, names in enumerate(group_names):
         paddings = [
             state.get("param_alignment_paddings", [[]] * len(group_names))[group_index] for state in states
@@ -171,9 +167,12 @@ def _stage1_2(states, group_names, sizes, directory):
                 f"{directory}: param group {group_index} pads between parameters (param_alignment_paddings): "
                 "that layout is not read"
             )
-        flat = torch.cat(
-            [_partition(state, "single_partition_of_fp32_groups", group_index, directory) for state in states]
-        )
+        if any(group_index >= len(groups) for groups in partitions):
+            raise CheckpointError(
+                f"{directory}: single_partition_of_fp32_groups has fewer groups than the model states' "
+                f"{len(group_names)}"
+            )
+        flat = torch.cat([groups[group_index] for groups in partitions])
         group_moments = {
             key: torch.cat([_moment(base["state"], group_index, key, directory) for base in bases])
             for key in ADAM_KEYS
@@ -190,12 +189,12 @@ def _stage1_2(states, group_names, sizes, directory):
             for key in ADAM_KEYS:
                 moments[key][name] = group_moments[key][offset : offset + size].clone()
             offset += size
-    return masters, moments, _hyperparameters(bases[0], len(group_names), directory)
+    return masters, moments, _steps_and_groups(bases[0])
 
 
 def _stage3(states, group_names, sizes, world, directory):
     """Stage 3: each parameter cut on its own into `world` pieces of ceil(numel / world) elements."""
-    flats = [torch.cat(list(_list(state, "fp32_flat_groups", directory))) for state in states]
+    flats = [torch.cat(_list(state, "fp32_flat_groups", directory)) for state in states]
     bases = [_base_optimizer(state, directory) for state in states]
     rank_moments = [
         {
@@ -221,7 +220,7 @@ def _stage3(states, group_names, sizes, world, directory):
                 :size
             ].clone()
         offset += piece
-    return masters, moments, _hyperparameters(bases[0], len(bases[0]["state"]), directory)
+    return masters, moments, _steps_and_groups(bases[0])
 
 
 # ---------------------------------------------------------------------------- the files' parts
@@ -300,15 +299,6 @@ def _moment(state: dict[Any, Any], index: int, key: str, directory: Path) -> tor
     return entry[key].reshape(-1).float()
 
 
-def _partition(state: dict[str, Any], key: str, index: int, directory: Path) -> torch.Tensor:
-    groups = _list(state, key, directory)
-    if index >= len(groups):
-        raise CheckpointError(
-            f"{directory}: {key} has {len(groups)} groups, the model states {index + 1} or more"
-        )
-    return groups[index].reshape(-1).float()
-
-
 def _list(state: dict[str, Any], key: str, directory: Path) -> list[torch.Tensor]:
     value = state.get(key)
     if not isinstance(value, list) or not all(isinstance(t, torch.Tensor) for t in value):
@@ -316,7 +306,8 @@ def _list(state: dict[str, Any], key: str, directory: Path) -> list[torch.Tensor
     return [t.reshape(-1).float() for t in value]
 
 
-def _hyperparameters(base: dict[str, Any], groups: int, directory: Path) -> dict[str, Any]:
+def _steps_and_groups(base: dict[str, Any]) -> dict[str, Any]:
+    """Adam's step per flat group, and the param groups' hyperparameters (their `params` dropped)."""
     steps = []
     for index in sorted(base["state"]):
         step = base["state"][index].get("step", 0)

@@ -62,8 +62,9 @@ def test_the_warmup_schedule_resumes_where_deepspeed_left_it():
     assert result["lrs"] == pytest.approx(expected, rel=1e-12)
 
 
-def test_resuming_without_the_moments_would_show():
-    """The comparison can fail: the same weights with Adam's state reset give other losses."""
+def test_adams_moments_and_step_are_read():
+    """Adam's second moments are read non-zero for every parameter and its step is the saved one (with
+    them zeroed, the resumed losses above differ from DeepSpeed's: 4.5963 against 4.5930)."""
     name = "stage2_world2"
     state = read_deepspeed_checkpoint(CASE[name].directory / CHECKPOINT)
     assert all(float(t.abs().max()) > 0 for t in state.moments["exp_avg_sq"].values())
@@ -106,7 +107,6 @@ def test_latest_naming_a_missing_tag_is_named(copied):
 
 def test_a_pickled_class_outside_deepspeed_is_refused_not_run(copied):
     path = copied / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    state = torch.load(path, weights_only=False) if False else None  # noqa: F841 (never unpickled here)
     torch.save({"optimizer_state_dict": {"hook": RankFailed("x")}}, path)
     with pytest.raises(CheckpointError, match="weights_only=True"):
         read_deepspeed_checkpoint(copied)
