@@ -46,8 +46,13 @@ def triton_available() -> bool:
 
 
 def use_triton(choice: str, tensor: torch.Tensor) -> bool:
-    """Whether `TNLGConfig.fused_kernels` = `choice` runs the Triton kernels on `tensor`."""
-    if choice == "none":
+    """Whether `TNLGConfig.fused_kernels` = `choice` runs the Triton kernels on `tensor`.
+
+    Not inside code torch.compile traces (a compiled decoder block): there inductor generates and fuses
+    the same elementwise and normalization kernels from torch's ops itself, and our kernels (launched
+    from autograd Functions) would be opaque calls it cannot fuse across. The head, outside the
+    compiled blocks, keeps the chunked Triton cross-entropy (it never builds the (B, T, V) logits)."""
+    if choice == "none" or torch.compiler.is_compiling():
         return False
     if choice == "triton":
         if not triton_available():

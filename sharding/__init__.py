@@ -9,6 +9,7 @@ engine.step()
 
 from .build import initialize
 from .collectives import CommStats
+from .compile import CompileConfig
 from .config import ZeroConfig
 from .deepspeed import (
     DeepSpeedConfig,
@@ -30,6 +31,7 @@ from .pretrained import PretrainedSource, SafetensorsCheckpoint, meta_from_pretr
 
 __all__ = [
     "CommStats",
+    "CompileConfig",
     "DeepSpeedConfig",
     "OptimizerSpec",
     "ParallelDims",

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import Collectives, CommStats
+from .compile import CompileConfig, check_compile_fits, compile_blocks
 from .config import ZeroConfig
 from .deepspeed import DeepSpeedConfig, engine_optimizer, engine_settings
 from .engine import EngineParts, ZeroEngine
@@ -52,6 +53,7 @@ def initialize(
     init_seed: int = 0,
     pretrained: PretrainedSource | str | Path | None = None,
     parallel: ParallelDims | ParallelGroups | None = None,
+    compile_config: CompileConfig | None = None,
 ) -> ZeroEngine:
     """Shard `model` and `optimizer` across the ranks of `process_group` (default: the world).
 
@@ -67,6 +69,10 @@ def initialize(
     section, which is then built over the model's trainable parameters (both is an error). Its
     `scheduler` section becomes `engine.lr_scheduler`, and its batch keys the engine's gradient
     accumulation (see `TrainingConfig`).
+
+    `compile_config` compiles the forward of each block (the model's `_no_split_modules` layers) with
+    torch.compile, after the cut and before the engine's hooks, which stay eager (see [Note: compiled
+    blocks] in compile.py); `engine.compile_stats()` then counts the compilations and their time.
 
     `parallel` lays the world out as tensor x pipeline x data (see [Note: parallel layout] in
     parallel.py): the model is cut down to this rank's pipeline stages, then its declared tensor-parallel
@@ -99,6 +105,10 @@ def initialize(
         shared = shared_parameter_groups(groups, model_plan.pipeline, trainable)
         pipeline = PipelineRunner(model_plan.pipeline, groups, shared)
     plan = plan_sharding(model, optimizer, zero, own_units=set(shared))
+    compiled_blocks: tuple[str, ...] = ()
+    if compile_config is not None:  # this rank's blocks, as cut; before the engine hooks them
+        check_compile_fits(compile_config, zero)
+        compiled_blocks = tuple(compile_blocks(model, compile_config))
     _check_backend(plan.device, collectives)
     placement = Placement(
         _target_device(device, plan.device),
@@ -125,6 +135,7 @@ def initialize(
         tensor_slices=model_plan.tensor_slices,
         pipeline=pipeline,
         build_lr_scheduler=scheduler.build if scheduler is not None else None,
+        compiled_blocks=compiled_blocks,
     )
     return ZeroEngine(model, optimizer, parts)
 

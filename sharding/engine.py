@@ -25,6 +25,7 @@ from torch import nn
 
 from .checkpoint import CheckpointError, load_engine, save_engine, tensor_layout
 from .collectives import Collectives
+from .compile import CompileClock
 from .config import ZeroConfig
 from .deepspeed.lr_schedules import DeepSpeedSchedule
 from .deepspeed.restore import is_deepspeed_checkpoint, load_deepspeed_checkpoint
@@ -74,6 +75,7 @@ class EngineParts:
     tensor_slices: dict[str, TensorSlice] = field(default_factory=dict)  # this rank's slices, by name
     pipeline: PipelineStages | None = None  # this rank's pipeline stages, if the model is cut into any
     build_lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None  # a DeepSpeed config's scheduler
+    compiled_blocks: tuple[str, ...] = ()  # the blocks whose forward is compiled (compile.py)
 
 
 class ZeroEngine(nn.Module):
@@ -137,10 +139,20 @@ class ZeroEngine(nn.Module):
             # Stage 3 training: gathers on a group of their own (see [Note: gather group] in
             # collectives.py). Opened last, so that no error above leaves it behind unclosed.
             self.collectives.open_gather_group()
+        self.compiled_blocks = parts.compiled_blocks
+        # Made last, with the finalizer that removes its callbacks: nothing above can leave it registered.
+        self._compile_clock = CompileClock() if parts.compiled_blocks else None
         # Teardown without __del__ (see [Note: engine lifetime] in grads.py): runs once, at close(), when
         # the engine is garbage-collected, or at interpreter exit. Its arguments must not hold the engine.
         self._finalizer = weakref.finalize(
-            self, _release_parts, self.reducer, self.scheduler, self.optimizer, self.groups, self.collectives
+            self,
+            _release_parts,
+            self.reducer,
+            self.scheduler,
+            self.optimizer,
+            self.groups,
+            self.collectives,
+            self._compile_clock,
         )
 
     # ------------------------------------------------------------------ the training loop
@@ -467,6 +479,12 @@ class ZeroEngine(nn.Module):
             tensors += self.optimizer.state_tensors() + self.optimizer.host_copies()
         return tensors
 
+    def compile_stats(self) -> dict[str, float] | None:
+        """With compiled blocks (see [Note: compiled blocks] in compile.py): the compilations torch ran in
+        this process since the engine was built, and the seconds they took; None without."""
+        clock = self._compile_clock
+        return None if clock is None else {"compiles": clock.compiles, "compile_seconds": clock.seconds}
+
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Calls and payload bytes per collective kind since the last reset."""
         return self.collectives.stats.as_dict()
@@ -562,6 +580,7 @@ def _release_parts(
     optimizer: ShardedOptimizer | None,
     groups: list[FlatGroup],
     collectives: Collectives,
+    compile_clock: CompileClock | None,
 ) -> None:
     """An engine's teardown (its finalizer: see `ZeroEngine.close`). Reductions first, since they write
     into the groups' buffers; then gathers; then the optimizer and the buffers themselves; last the gather
@@ -575,3 +594,5 @@ def _release_parts(
     for group in groups:
         group.close()
     collectives.close()
+    if compile_clock is not None:
+        compile_clock.close()

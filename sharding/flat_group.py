@@ -31,14 +31,16 @@ from .offload import GradientsToHost, Placement, StagedGather, to_device
 from .partition import FlatLayout, Unit
 from .plan import GroupPlan
 
-# What a placeholder answers: its metadata (memory accounting, shape checks, `.device` grouping).
-# Anything that would read or write values raises.
+# What a placeholder answers: its metadata (memory accounting, shape checks, `.device` grouping, and
+# what torch.compile reads to fake a parameter with its .grad: view, conj/neg bits, the grad's own
+# grad). Anything that would read or write values raises.
 _PLACEHOLDER_METADATA = frozenset(
     {
         "shape", "dtype", "device", "layout", "ndim", "names", "is_cuda", "is_cpu", "is_meta",
         "is_sparse", "is_quantized", "is_leaf", "requires_grad", "grad_fn", "size", "dim", "numel",
         "nelement", "stride", "storage_offset", "element_size", "untyped_storage", "data_ptr",
         "is_contiguous", "is_pinned", "is_floating_point", "is_complex", "__len__",
+        "_is_view", "_base", "grad", "is_conj", "is_neg", "is_inference", "is_mkldnn", "is_nested", "_is_zerotensor",
     }
 )  # fmt: skip
 

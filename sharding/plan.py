@@ -92,7 +92,7 @@ def plan_sharding(
             "optimizer or set requires_grad=False"
         )
 
-    blocks = _find_blocks(module) if config.partitions_parameters else []
+    blocks = find_blocks(module) if config.partitions_parameters else []
     if config.partitions_parameters:
         _plan_stage3_units(groups, blocks, config)
     else:
@@ -125,7 +125,7 @@ def _isolate_units(groups: list[GroupPlan], alone: set[str], names: set[str]) ->
         group.units, group.unit_blocks = units, blocks
 
 
-def _find_blocks(module: nn.Module) -> list[BlockPlan]:
+def find_blocks(module: nn.Module) -> list[BlockPlan]:
     """The gather blocks: `_no_split_modules` instances (outermost), else the model's children.
 
     `_no_split_modules` is collected from every submodule, as Transformers does, so that a wrapper

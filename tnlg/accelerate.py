@@ -30,6 +30,11 @@ a different one, and the engine accumulates nothing itself; the batch keys are c
 world size; an `optimizer` section, or a `scheduler` section next to a scheduler passed to `prepare`,
 is an error naming both (the objects passed to `prepare` are the ones trained with). A `scheduler`
 section alone is built by the engine over your optimizer and stepped with it.
+
+torch.compile: Accelerate's `dynamo_backend` / `dynamo_plugin` (or `accelerate launch --dynamo_backend
+inductor`) compiles each block of the model inside the engine, never the whole model (see [Note:
+compiled blocks] in tnlg/sharding/compile.py); `compile_config=CompileConfig(...)` says the same
+directly, with a cache directory besides.
 """
 
 from __future__ import annotations
@@ -46,9 +51,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DynamoBackend, TorchDynamoPlugin
 from torch import nn
 
-from tnlg.sharding import DeepSpeedConfig, ParallelDims, ZeroConfig, ZeroEngine, initialize
+from tnlg.sharding import CompileConfig, DeepSpeedConfig, ParallelDims, ZeroConfig, ZeroEngine, initialize
 from tnlg.sharding.checkpoint import engine_directory, read_on_every_rank
 from tnlg.sharding.deepspeed import engine_settings
 from tnlg.sharding.json_files import write_json
@@ -208,6 +214,26 @@ def parallel_dims_for(parallel: ParallelDims | None, config: Any) -> ParallelDim
     return ParallelDims(tensor=config.tp_size, data=data if data > 1 else None)
 
 
+def compile_config_for(given: CompileConfig | None, plugin: TorchDynamoPlugin) -> CompileConfig | None:
+    """The engine's `CompileConfig`: the one `given`, else Accelerate's dynamo settings turned into one
+    (None when its backend is "no"); both is an error, since neither would be the one setting."""
+    if plugin.backend == DynamoBackend.NO:
+        return given
+    if given is not None:
+        raise ValueError(
+            f"compile_config and Accelerate's dynamo_backend={plugin.backend.value.lower()!r} both ask for "
+            "torch.compile: give one (launch with --dynamo_backend no to keep compile_config's)"
+        )
+    mode = plugin.mode if plugin.mode not in (None, "default") else None
+    return CompileConfig(
+        backend=plugin.backend.value.lower(),
+        mode=mode,
+        fullgraph=bool(plugin.fullgraph),
+        dynamic=plugin.dynamic,
+        options=dict(plugin.options or {}) if mode is None else {},
+    )
+
+
 class ZeroAccelerator(Accelerator):
     """An `Accelerator` that shards the prepared model and optimizer with tnlg's ZeRO engine."""
 
@@ -216,6 +242,7 @@ class ZeroAccelerator(Accelerator):
         *args: Any,
         zero_config: ZeroConfig | DeepSpeedConfig | Mapping | str | Path | None = None,
         parallel: ParallelDims | None = None,
+        compile_config: CompileConfig | None = None,
         **kwargs: Any,
     ):
         given = inspect.signature(Accelerator.__init__).bind_partial(None, *args, **kwargs).arguments
@@ -260,6 +287,12 @@ class ZeroAccelerator(Accelerator):
             )
             self.zero_settings = self._take_accumulation(self.zero_settings, accumulation)
         self.engines: list[ZeroEngine] = []
+        # The engine compiles the blocks itself: prepare() never reaches Accelerate's whole-model compile.
+        self.compile_config = None
+        if self.zero_config is not None:
+            self.compile_config = compile_config_for(compile_config, self.state.dynamo_plugin)
+        elif compile_config is not None:
+            raise ValueError("compile_config= needs the ZeRO engine on (zero_config or TNLG_ZERO_* settings)")
 
     def _take_accumulation(self, settings: DeepSpeedConfig, given: int | None) -> DeepSpeedConfig:
         """The Accelerator accumulates (see the module docs): it adopts the steps the config sets or
@@ -339,6 +372,7 @@ class ZeroAccelerator(Accelerator):
             init_seed=init_seed,
             pretrained=pretrained,
             parallel=self.parallel_groups,  # the grid built at __init__: no second set of groups
+            compile_config=self.compile_config,
         )
         self.engines.append(engine)
         self._models.append(engine)

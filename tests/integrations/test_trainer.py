@@ -20,6 +20,8 @@ def _every_stage(rank: int, world_size: int, directory: str) -> dict:
     runs = {"ddp": train(rank, world_size, None, f"{directory}/ddp")}
     for stage in STAGES:
         runs[stage] = train(rank, world_size, stage, f"{directory}/stage{stage}")
+    # The Trainer's torch_compile reaches the engine as Accelerate's dynamo settings: compiled blocks.
+    runs["compiled"] = train(rank, world_size, 3, f"{directory}/compiled", compile_backend="aot_eager")
     return runs
 
 
@@ -40,6 +42,15 @@ def test_losses_and_norms_equal_the_plain_trainer(runs, stage):
     assert results[stage]["norms"] == pytest.approx(results["ddp"]["norms"], rel=1e-5)
     assert results[stage]["lrs"] == pytest.approx(results["ddp"]["lrs"], rel=1e-7)
     assert results["ddp"]["losses"][-1] < results["ddp"]["losses"][0]
+
+
+@pytest.mark.slow
+def test_torch_compile_compiles_the_blocks_inside_the_engine(runs):
+    results, _ = runs
+    assert results[3]["compiled_blocks"] == []
+    assert results["compiled"]["compiled_blocks"] == ["model.layers.0", "model.layers.1"]
+    assert results["compiled"]["losses"] == pytest.approx(results[3]["losses"], rel=1e-5)
+    assert results["compiled"]["norms"] == pytest.approx(results[3]["norms"], rel=1e-5)
 
 
 @pytest.mark.slow

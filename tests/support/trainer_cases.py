@@ -46,11 +46,12 @@ def train(
     stop_after: int | None = None,
     bf16: bool = False,
     pretrained: str | None = None,
+    compile_backend: str | None = None,
 ) -> dict:
     """Losses and gradient norms logged per step, and the final parameters; stage None is the plain
     `Trainer` (DDP). Checkpoints are written every 2 steps; `stop_after` interrupts the run there (the
     schedule still spans `max_steps`). `pretrained` starts from a saved model built on the meta device,
-    each rank reading only its shards of it."""
+    each rank reading only its shards of it. `compile_backend` turns on the Trainer's `torch_compile`."""
     args = TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=MICRO_BATCH,
@@ -71,6 +72,8 @@ def train(
         disable_tqdm=True,
         dataloader_num_workers=0,
         bf16=bf16,
+        torch_compile=compile_backend is not None,
+        torch_compile_backend=compile_backend,
     )
     make = Trainer if stage is None else functools.partial(ZeroTrainer, zero_config=ZeroConfig(stage=stage))
     callbacks = [StopAfter(stop_after)] if stop_after else []
@@ -85,6 +88,9 @@ def train(
         "lrs": [entry["learning_rate"] for entry in history],
         "accelerator": type(trainer.accelerator).__name__,
         "parameter_dtype": str(next(trainer.model.parameters()).dtype),
+        "compiled_blocks": [
+            b for e in getattr(trainer.accelerator, "engines", []) for b in e.compiled_blocks
+        ],
     }
     if save_final:
         trainer.save_model(f"{output_dir}/final")

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from tnlg.sharding import DeepSpeedConfig, ParallelDims, ZeroConfig, load_deepspeed
+from tnlg.sharding import CompileConfig, DeepSpeedConfig, ParallelDims, ZeroConfig, load_deepspeed
 from tnlg.sharding.config import MIXED_PRECISIONS
 
 T = TypeVar("T")
@@ -45,12 +45,44 @@ class ActivationCheckpointingSection:
 
 
 @dataclass(kw_only=True)
+class CompileSection:
+    """`enabled` compiles each decoder block with torch.compile inside the engine (never the whole model;
+    see [Note: compiled blocks] in tnlg/sharding/compile.py), with torch.compile's `backend`, `mode`,
+    `fullgraph` and `dynamic`. `cache_dir` is where inductor keeps the compiled graphs, so that a resumed
+    run reads them instead of compiling again; by default `compile_cache` in the run's output directory."""
+
+    enabled: bool = False
+    backend: str = "inductor"
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            self.settings(Path("."))  # an unknown backend or mode is named when the config is read
+
+    def settings(self, output_dir: Path) -> CompileConfig | None:
+        """The engine's CompileConfig (None when off), the cache under `output_dir` unless given."""
+        if not self.enabled:
+            return None
+        cache_dir = self.cache_dir if self.cache_dir is not None else str(output_dir / "compile_cache")
+        return CompileConfig(
+            backend=self.backend,
+            mode=self.mode,
+            fullgraph=self.fullgraph,
+            dynamic=self.dynamic,
+            cache_dir=cache_dir,
+        )
+
+
+@dataclass(kw_only=True)
 class ModelSection:
     """`preset` names a `TNLGConfig` preset; `overrides` change any of its fields. `init_from` starts
     from a Transformers checkpoint directory (safetensors) instead of the seeded initialization:
     its config.json is the architecture (`preset` is not used; `overrides` still apply), and each
     rank reads only its shards of the weights. `activation_checkpointing` trades recomputation for
-    activation memory (see its section)."""
+    activation memory, `compile` compiles each decoder block (see their sections)."""
 
     preset: str = "debug"
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -58,6 +90,7 @@ class ModelSection:
     activation_checkpointing: ActivationCheckpointingSection = field(
         default_factory=ActivationCheckpointingSection
     )
+    compile: CompileSection = field(default_factory=CompileSection)
 
 
 @dataclass(kw_only=True)

@@ -107,6 +107,7 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
         mixed_precision=train_section.mixed_precision,
         gradient_accumulation_steps=train_section.gradient_accumulation_steps,
         parallel=config.parallel.dims(),
+        compile_config=config.model.compile.settings(output),
         log_with=tracker_names(config.logging.trackers) or None,
         project_config=ProjectConfiguration(project_dir=str(output), logging_dir=str(output / "logs")),
     )
@@ -120,6 +121,12 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
     model = (job.build_model or meta_model)(architecture)
     if config.model.activation_checkpointing.enabled:  # before the engine hooks the blocks
         enable_activation_checkpointing(model)
+    if accelerator.compile_config is not None and architecture.fused_kernels != "none":
+        logger.info(
+            "compile: inside the compiled decoder blocks inductor fuses torch's ops itself, so fused_kernels=%s "
+            "applies to the head only (see tnlg.modeling.fused_ops.use_triton)",
+            architecture.fused_kernels,
+        )
     optimizer = build_optimizer(model, config.optimizer)
     # The scheduler is stepped by the loop once per optimizer step (Accelerate's wrapper would step it
     # once per process, for loops whose step counts assume one process), so it is not prepared.
@@ -279,6 +286,10 @@ def _step_metrics(run: Run, mean_loss: float, step_tokens: float, started: float
         "memory_mb": run.engine.memory_stats()["total"] / 2**20,
         "nonfinite_steps": run.nonfinite_steps,
     }
+    compiled = run.engine.compile_stats()
+    if compiled is not None:  # compiled blocks: what compiling has cost so far (the first steps pay it)
+        metrics["compiles"] = compiled["compiles"]
+        metrics["compile_s"] = compiled["compile_seconds"]
     if run.peak_flops:
         flops_per_token = run.architecture.flops_per_token(run.job.seq_len)
         metrics["mfu"] = flops_per_token * tokens_per_second / (run.peak_flops * accelerator.num_processes)
@@ -315,8 +326,17 @@ def train(config: TrainingConfig, job: TrainingJob, resume: str | None = None) -
     )
     run.engine.train()
     batches = iter(run.stream)
+    compiles = 0
     for step in range(run.start_step, config.train.max_steps):
         metrics = train_step(run, batches, step)
+        if metrics.get("compiles", 0) > compiles:
+            compiles = metrics["compiles"]
+            logger.info(
+                "step %d: torch.compile has compiled %d graphs in %.1f s so far",
+                step + 1,
+                compiles,
+                metrics["compile_s"],
+            )
         run.curve.add(step + 1, metrics["loss"])
         run.accelerator.log(metrics, step=step + 1)
         progress.update(1)

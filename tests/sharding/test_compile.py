@@ -1,0 +1,203 @@
+"""Compiled blocks through the engine ([Note: compiled blocks] in sharding/compile.py): compiled = eager at
+every ZeRO stage and layout, no graph break inside a block, no recompilation from step to step, the
+settings refused where they cannot apply, and inductor's cache reused by a later process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from accelerate.utils import TorchDynamoPlugin
+from torch._dynamo.utils import counters
+
+from tests.sharding.test_zero_equivalence import assert_states_close
+from tests.support.compile_cases import (
+    Layout,
+    accelerate_dynamo,
+    eager_and_compiled,
+    fresh_compile_counts,
+    layouts,
+)
+from tests.support.tensor_parallel_cases import make_model as make_tnlg
+from tnlg.accelerate import compile_config_for
+from tnlg.modeling import fused_ops
+from tnlg.sharding import CompileConfig, ZeroConfig
+from tnlg.sharding.compile import CompileClock, check_compile_fits, compile_blocks
+from tnlg.tools.spawn import run_distributed
+
+FP32 = [Layout(0), Layout(1), Layout(2), Layout(3), Layout(3, checkpointing=True)]
+MIXED = [Layout(3, precision="bf16", offload=True), Layout(2, precision="fp16")]
+GRIDS = [Layout(2, tensor=2), Layout(3, pipeline=2), Layout(1, tensor=2, checkpointing=True)]
+
+
+@pytest.fixture(scope="module")
+def inductor_cache(tmp_path_factory) -> str:
+    """One inductor cache for the module: the layouts compile the same block graphs."""
+    return str(tmp_path_factory.mktemp("inductor"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(inductor_cache) -> dict:
+    return run_distributed(eager_and_compiled, 2, layouts(*FP32, *MIXED), inductor_cache, timeout=900)[0]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(inductor_cache) -> dict:
+    return run_distributed(eager_and_compiled, 4, layouts(*GRIDS), inductor_cache, timeout=900)[0]
+
+
+def assert_compiled_equals_eager(result: dict) -> None:
+    eager, compiled = result["eager"], result["compiled"]
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+    assert_states_close(compiled["state"], {k: v.float() for k, v in eager["state"].items()}, atol=1e-5)
+
+
+def assert_compiled_once(compiled: dict, blocks: list[str]) -> None:
+    """Every block of this rank compiled, nothing broke a block's graph, and the frames Dynamo compiled
+    stop growing once training and evaluation have each run (the evaluation after step 2)."""
+    assert compiled["compiled_blocks"] == blocks
+    assert compiled["graph_breaks"] == {}
+    frames = compiled["frames_after_each_step"]
+    assert frames[0] >= 1  # the blocks did run compiled
+    assert frames[1] == frames[2] == frames[3], f"recompiled from step to step: {frames}"
+    assert compiled["unique_graphs"] <= 2  # one graph for every block in training, one in evaluation
+    assert compiled["compile_stats"]["compiles"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", FP32, ids=lambda layout: layout.name)
+def test_compiled_equals_eager_in_fp32_at_zero_0_to_3(two_ranks, layout):
+    result = two_ranks[layout.name]
+    assert_compiled_equals_eager(result)
+    assert_compiled_once(result["compiled"], ["model.layers.0", "model.layers.1"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", MIXED, ids=lambda layout: layout.name)
+def test_compiled_trains_like_eager_in_16_bits_and_with_offload(two_ranks, layout):
+    """16-bit compute: inductor's fused kernels round differently from eager's op-by-op ones."""
+    result = two_ranks[layout.name]
+    assert result["compiled"]["losses"] == pytest.approx(result["eager"]["losses"], rel=1e-3)
+    assert_compiled_once(result["compiled"], ["model.layers.0", "model.layers.1"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", GRIDS, ids=lambda layout: layout.name)
+def test_compiled_equals_eager_under_tensor_and_pipeline_cuts(four_ranks, layout):
+    result = four_ranks[layout.name]
+    assert_compiled_equals_eager(result)
+    # Under pipeline stages rank 0 holds the first stage only: its one layer is all it compiles.
+    blocks = ["model.layers.0"] if layout.pipeline == 2 else ["model.layers.0", "model.layers.1"]
+    assert_compiled_once(result["compiled"], blocks)
+
+
+def test_a_graph_break_inside_a_block_is_counted():
+    """The count the tests above find empty sees a break when there is one."""
+    model = make_tnlg()
+    block = model.model.layers[0]
+    original = type(block.mlp).forward
+
+    def breaking_forward(self, hidden_states):
+        torch._dynamo.graph_break()
+        return original(self, hidden_states)
+
+    block.mlp.forward = breaking_forward.__get__(block.mlp)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_blocks(model, CompileConfig(backend="eager"))
+    model(torch.randint(0, 64, (1, 8))).logits.sum().backward()
+    assert sum(counters["graph_break"].values()) >= 1
+
+
+def test_the_fused_kernels_give_way_inside_compiled_code():
+    x = torch.ones(2)
+
+    def route(tensor):
+        return tensor + (1.0 if fused_ops.use_triton("triton", tensor) else 0.0)
+
+    pytest.importorskip("triton")
+    assert route(x).tolist() == [2.0, 2.0]
+    torch._dynamo.reset()
+    assert torch.compile(route, backend="eager", fullgraph=True)(x).tolist() == [1.0, 1.0]
+
+
+def test_blocks_compile_in_place_under_their_own_names():
+    model = make_tnlg()
+    names = sorted(model.state_dict())
+    assert compile_blocks(model, CompileConfig(backend="eager")) == ["model.layers.0", "model.layers.1"]
+    assert sorted(model.state_dict()) == names
+    assert type(model.model.layers[0]).__name__ == "TNLGBlock"
+    # Compiling again (a second engine over the same model) wraps nothing twice.
+    first = model.model.layers[0].forward
+    compile_blocks(model, CompileConfig(backend="eager"))
+    assert model.model.layers[0].forward is first
+
+
+def test_a_forward_set_on_a_block_is_not_compiled_over():
+    model = make_tnlg()
+    model.model.layers[1].forward = lambda *args, **kwargs: None
+    with pytest.raises(ValueError, match=r"block model.layers.1 has a forward set on the instance"):
+        compile_blocks(model, CompileConfig(backend="eager"))
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"backend": "inductr"}, r"compile backend 'inductr' is not one torch knows: .*inductor"),
+        ({"mode": "fast"}, r"compile mode 'fast' is not one of default, reduce-overhead"),
+        ({"mode": "max-autotune", "options": {"a": 1}}, r"give compile mode or options, not both"),
+    ],
+)
+def test_bad_compile_settings_are_named(fields, message):
+    with pytest.raises(ValueError, match=message):
+        CompileConfig(**fields)
+
+
+def test_cuda_graph_modes_are_refused_where_parameters_move():
+    with pytest.raises(ValueError, match=r"replays CUDA graphs .* but ZeRO stage 3 frees and regathers"):
+        check_compile_fits(CompileConfig(mode="reduce-overhead"), ZeroConfig(stage=3))
+    check_compile_fits(CompileConfig(mode="max-autotune-no-cudagraphs"), ZeroConfig(stage=3))
+    check_compile_fits(CompileConfig(mode="reduce-overhead"), ZeroConfig(stage=2))
+
+
+def test_the_clock_counts_compilations_until_closed():
+    torch._dynamo.reset()  # which also drops every compile callback: before the clock, as in an engine
+    clock = CompileClock()
+    torch.compile(lambda t: t * 2, backend="eager")(torch.ones(3))
+    assert clock.compiles == 1 and clock.seconds > 0
+    clock.close()
+    torch.compile(lambda t: t * 3, backend="eager")(torch.ones(3))
+    assert clock.compiles == 1
+
+
+def test_accelerates_dynamo_settings_become_the_engines():
+    plugin = TorchDynamoPlugin(backend="inductor", mode="max-autotune-no-cudagraphs", fullgraph=True)
+    assert compile_config_for(None, plugin) == CompileConfig(
+        backend="inductor", mode="max-autotune-no-cudagraphs", fullgraph=True
+    )
+    assert compile_config_for(None, TorchDynamoPlugin(backend="no")) is None
+    given = CompileConfig(backend="aot_eager")
+    assert compile_config_for(given, TorchDynamoPlugin(backend="no")) is given
+    with pytest.raises(ValueError, match=r"compile_config and Accelerate's dynamo_backend='inductor' both"):
+        compile_config_for(given, plugin)
+
+
+@pytest.mark.slow
+def test_accelerates_dynamo_backend_compiles_the_blocks_inside_the_engine():
+    eager = run_distributed(accelerate_dynamo, 2, "no")[0]
+    compiled = run_distributed(accelerate_dynamo, 2, "aot_eager")[0]
+    assert eager["compiled_blocks"] == []
+    assert compiled["compiled_blocks"] == [
+        f"model.layers.{i}" for i in range(len(compiled["compiled_blocks"]))
+    ]
+    assert compiled["compiled_blocks"] and compiled["graph_breaks"] == {}
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+    assert compiled["unwrapped"] == "TNLGForCausalLM"  # never Accelerate's whole-model OptimizedModule
+
+
+@pytest.mark.slow
+def test_a_later_process_reads_the_compiled_graphs_from_the_cache(tmp_path):
+    first = run_distributed(fresh_compile_counts, 1, str(tmp_path))[0]
+    again = run_distributed(fresh_compile_counts, 1, str(tmp_path))[0]
+    assert first["misses"] >= 1
+    assert again["hits"] >= 1 and again["misses"] == 0
