@@ -2,6 +2,7 @@
 
     python -m benchmarks.side_by_side              # tnlg-1.3b shape on one CUDA device; markdown tables
     python -m benchmarks.side_by_side --smoke      # the debug preset on any device (CPU: TRITON_INTERPRET=1)
+    python -m benchmarks.side_by_side --compile on # also tnlg stage 0 and 3 with torch.compile'd blocks
 
 Variants of one bf16 training step (micro-batch x sequence, activation checkpointing as a setting), at world
 size 1, each loaded from one seeded state dict and fed one seeded list of batches:
@@ -9,10 +10,13 @@ size 1, each loaded from one seeded state dict and fed one seeded list of batche
     tnlg stage 0 / tnlg stage 3   tnlg.sharding.initialize(model, AdamW, ZeroConfig(stage, bf16))
     torch FSDP2                   fully_shard on every TNLGBlock, then the root; bf16 params, fp32 reduce
     Transformers GPT-2            GPT2LMHeadModel of the same shape, converted weights, autocast bf16
+    tnlg stage 0/3 compiled       with --compile on: as tnlg stage 0/3, each block's forward compiled by
+                                  inductor (CompileConfig); the warmup steps absorb the compilation, whose
+                                  seconds are reported apart from the step times
 
 Before any time is reported, every variant's first-step loss must match the fp32 reference's (see
 `LOSS_TOLERANCE`); a variant that does not is a MISMATCH row, no time is reported and the run exits 1.
-Timing runs in ABBA order (A B C D, then D C B A), so that a drift in clocks or temperature lands on
+Timing runs in ABBA order (A B C D ..., then reversed), so that a drift in clocks or temperature lands on
 every variant alike; each slot builds its variant afresh from the seeded state (see `run_slot`). Also
 measured in the same run: an 8192^3 bf16 matmul (the achievable FLOP/s, MFU's second denominator) and,
 after the training table, tnlg's fused kernels against torch's equivalents at the model's shape.
@@ -25,6 +29,7 @@ import contextlib
 import gc
 import os
 import statistics
+import string
 import sys
 import tempfile
 import time
@@ -44,7 +49,7 @@ from tnlg import TNLGConfig, TNLGForCausalLM
 from tnlg.modeling.configuration_tnlg import FUSED_CHOICES
 from tnlg.run.activations import enable_activation_checkpointing
 from tnlg.run.metrics import peak_flops_per_device
-from tnlg.sharding import ZeroConfig, initialize
+from tnlg.sharding import CompileConfig, ZeroConfig, initialize
 from tnlg.sharding.kernels.fused_adam import fused_adam
 from tnlg.tools.convert.to_gpt2 import gpt2_config, tnlg_state_to_gpt2
 
@@ -82,21 +87,24 @@ class Settings:
     adam_numel: int | None = None  # None: the model's parameter count
     init_std: float | None = None  # None: the preset's initializer_range
     fused_kernels: str = "auto"  # TNLGConfig.fused_kernels of the tnlg variants
+    compile: bool = False  # also the tnlg variants with compiled blocks (`COMPILED_VARIANTS`)
 
     @classmethod
     def create(
         cls, smoke: bool, device: torch.device, micro_batch: int | None, checkpointing: bool,
-        fused_kernels: str = "auto",
+        fused_kernels: str = "auto", compile: bool = False,
     ) -> Settings:  # fmt: skip
         if not smoke:
-            return cls(device, smoke, micro_batch or 4, checkpointing, fused_kernels=fused_kernels)
+            return cls(
+                device, smoke, micro_batch or 4, checkpointing, fused_kernels=fused_kernels, compile=compile
+            )
         # The interpreter runs the Triton kernels on CPU: tiny sizes, one repeat.
         return cls(
             device, smoke, micro_batch or 2, checkpointing, preset="debug", seq_len=32, warmup_steps=1,
             timed_steps=1, matmul_size=256, repeats=1, warmup=1, adam_numel=10_000,
             # Logits as spread as tnlg-1.3b's at its init (0.02 x sqrt(2048) = 0.9): 1 / sqrt(64). At
             # 0.02 the debug model's logits are nearly flat and no loss tells one model from another.
-            init_std=0.125, fused_kernels=fused_kernels,
+            init_std=0.125, fused_kernels=fused_kernels, compile=compile,
         )  # fmt: skip
 
     def config(self, fused_kernels: str | None = None) -> TNLGConfig:
@@ -215,6 +223,8 @@ class Trainer:
 
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     close: Callable[[], None] = field(default=lambda: None)
+    # A compiled variant's `engine.compile_stats`: its compilations so far and their seconds; None if eager.
+    compile_stats: Callable[[], Mapping[str, float] | None] = field(default=lambda: None)
 
 
 def adamw(parameters, settings: Settings) -> torch.optim.AdamW:
@@ -229,13 +239,14 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> t
     return loss.detach()
 
 
-def tnlg_trainer(workload: Workload, stage: int) -> Trainer:
+def tnlg_trainer(workload: Workload, stage: int, compiled: bool = False) -> Trainer:
     settings = workload.settings
     model = tnlg_model(workload.config, workload.state, settings.device, settings.activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)  # the engine steps it (its fused Adam on CUDA)
     engine = initialize(
-        model, optimizer, ZeroConfig(stage=stage, mixed_precision="bf16"), device=settings.device
-    )
+        model, optimizer, ZeroConfig(stage=stage, mixed_precision="bf16"), device=settings.device,
+        compile_config=CompileConfig(backend="inductor") if compiled else None,
+    )  # fmt: skip
 
     def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = engine(input_ids=ids, labels=labels).loss
@@ -243,7 +254,7 @@ def tnlg_trainer(workload: Workload, stage: int) -> Trainer:
         engine.step()  # zeroes the gradients too
         return loss.detach()
 
-    return Trainer(step, engine.close)
+    return Trainer(step, engine.close, engine.compile_stats)
 
 
 def fsdp2_trainer(workload: Workload) -> Trainer:
@@ -276,6 +287,16 @@ VARIANTS: dict[str, Callable[[Workload], Trainer]] = {
     "torch FSDP2": fsdp2_trainer,
     "Transformers GPT-2": gpt2_trainer,
 }
+# With --compile on, side by side with the eager ones: the speed-up is only measured in one run.
+COMPILED_VARIANTS: dict[str, Callable[[Workload], Trainer]] = {
+    "tnlg stage 0 compiled": partial(tnlg_trainer, stage=0, compiled=True),
+    "tnlg stage 3 compiled": partial(tnlg_trainer, stage=3, compiled=True),
+}
+
+
+def variants(settings: Settings) -> dict[str, Callable[[Workload], Trainer]]:
+    """This run's variants, in their A B C ... order: `VARIANTS`, then the compiled ones if asked for."""
+    return {**VARIANTS, **(COMPILED_VARIANTS if settings.compile else {})}
 
 
 # ---------------------------------------------------------------------------- ABBA slots
@@ -286,6 +307,8 @@ class Slot:
     first_loss: float
     seconds: list[float]
     peak_bytes: int | None
+    compile_seconds: float | None = None  # compiling this slot's steps (a compiled variant's; else None)
+    late_compiles: int = 0  # compilations during the timed steps: their seconds are in the step times
 
 
 def release(device: torch.device) -> None:
@@ -312,7 +335,10 @@ def run_slot(build: Callable[[Workload], Trainer], workload: Workload) -> Slot:
     release(device)
     trainer = build(workload)
     losses, seconds = [], []
+    warm: Mapping[str, float] | None = None
     for index, (ids, labels) in enumerate(workload.batches):
+        if index == workload.settings.warmup_steps:
+            warm = trainer.compile_stats()
         synchronize(device)
         began = time.perf_counter()
         losses.append(trainer.step(ids, labels))
@@ -320,10 +346,14 @@ def run_slot(build: Callable[[Workload], Trainer], workload: Workload) -> Slot:
         if index >= workload.settings.warmup_steps:
             seconds.append(time.perf_counter() - began)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    stats = trainer.compile_stats()  # before close, which stops the engine's count
     trainer.close()
     del trainer
     release(device)
-    return Slot(losses[0].item(), seconds, peak)
+    if stats is None or warm is None:
+        return Slot(losses[0].item(), seconds, peak)
+    late = int(stats["compiles"] - warm["compiles"])
+    return Slot(losses[0].item(), seconds, peak, stats["compile_seconds"], late)
 
 
 def gate_lines(workload: Workload, slots: Mapping[str, list[Slot]]) -> Iterator[str]:
@@ -354,16 +384,17 @@ def is_failure(line: str) -> bool:
 
 def training_lines(settings: Settings, matmul_flops: float) -> Iterator[str]:
     workload = make_workload(settings)
-    slots: dict[str, list[Slot]] = {name: [] for name in VARIANTS}
-    for name in VARIANTS:  # A B C D; each first step on fresh weights is the gate's
-        slots[name].append(run_slot(VARIANTS[name], workload))
+    chosen = variants(settings)
+    slots: dict[str, list[Slot]] = {name: [] for name in chosen}
+    for name in chosen:  # A B C D ...; each first step on fresh weights is the gate's
+        slots[name].append(run_slot(chosen[name], workload))
     gate = list(gate_lines(workload, slots))
     yield from [*gate, ""]
     if any(is_failure(line) for line in gate):
         yield "No timing: a variant that computes something else is no comparison."
         return
-    for name in reversed(VARIANTS):  # D C B A, rebuilt from the same state: their first steps gated too
-        slots[name].append(run_slot(VARIANTS[name], workload))
+    for name in reversed(chosen):  # ... D C B A, rebuilt from the same state: their first steps gated too
+        slots[name].append(run_slot(chosen[name], workload))
     rebuilt = [line for line in gate_lines(workload, slots) if is_failure(line)]
     if rebuilt:
         yield from ["Rebuilt variants no longer match:", *rebuilt, "", "No timing."]
@@ -390,10 +421,14 @@ def timing_lines(
     peak = peak_flops_per_device(settings.device, "bf16")
     datasheet = f"{peak / 1e12:.0f} TFLOP/s datasheet" if peak else "datasheet n/a"
     count = 2 * settings.timed_steps
-    yield f"### Training step, ABBA order A B C D D C B A, median of {count} timed steps per variant"
+    order = " ".join(string.ascii_uppercase[: len(slots)])
+    yield f"### Training step, ABBA order {order} {order[::-1]}, median of {count} timed steps per variant"
     yield ""
-    yield f"| variant | step ms | tokens/s | MFU ({datasheet}) | MFU (measured matmul) | peak memory GiB |"
-    yield "|---|---|---|---|---|---|"
+    # The compile column only with --compile on: without, the table is as before (gpu_first_contact reads
+    # its six cells).
+    column = " compile s (per slot) |" if settings.compile else ""
+    yield f"| variant | step ms | tokens/s | MFU ({datasheet}) | MFU (measured matmul) | peak memory GiB |{column}"
+    yield "|---|---|---|---|---|---|" + ("---|" if settings.compile else "")
     medians = {
         name: statistics.median(s for slot in runs for s in slot.seconds) for name, runs in slots.items()
     }
@@ -402,14 +437,24 @@ def timing_lines(
         mfu = f"{100 * achieved / peak:.1f}%" if peak else "n/a"
         peaks = [slot.peak_bytes for slot in slots[name] if slot.peak_bytes is not None]
         memory = f"{max(peaks) / 2**30:.1f}" if peaks else "n/a"
+        # Dynamo's cache is the process's: the first compiled slot compiles the block, later ones (stage 3's
+        # too, the same code and shapes) reuse it and read about 0
+        compiling = [slot.compile_seconds for slot in slots[name] if slot.compile_seconds is not None]
+        cell = f" {', '.join(f'{s:.1f}' for s in compiling) or '-'} |" if settings.compile else ""
         yield (
             f"| {name} | {seconds * 1e3:.1f} | {tokens / seconds:,.0f} | {mfu} "
-            f"| {100 * achieved / matmul_flops:.1f}% | {memory} |"
+            f"| {100 * achieved / matmul_flops:.1f}% | {memory} |{cell}"
         )
     yield ""
     stage0, stage3 = medians["tnlg stage 0"], medians["tnlg stage 3"]
     yield f"tnlg stage 0 / Transformers GPT-2 tokens/s: {medians['Transformers GPT-2'] / stage0:.2f}"
     yield f"tnlg stage 3 / torch FSDP2 step time: {stage3 / medians['torch FSDP2']:.2f}"
+    if settings.compile:  # the goal (tnlg-1.3b on a GPU): compiled at least 1.1x eager tokens/s
+        ratios = [medians[f"tnlg stage {s}"] / medians[f"tnlg stage {s} compiled"] for s in (0, 3)]
+        yield f"tnlg compiled / eager tokens/s: stage 0 {ratios[0]:.2f}, stage 3 {ratios[1]:.2f}"
+    late = [name for name, runs in slots.items() if any(slot.late_compiles for slot in runs)]
+    if late:  # the warmup did not absorb every compilation: these step times include some
+        yield f"compiled during the timed steps (more warmup steps needed): {', '.join(late)}"
 
 
 # ---------------------------------------------------------------------------- matmul and kernels
@@ -536,10 +581,11 @@ def side_by_side_lines(
     micro_batch: int | None = None,
     activation_checkpointing: bool = True,
     fused_kernels: str = "auto",
+    compile: bool = False,
 ) -> Iterator[str]:
     """The report's lines, each as soon as it is known; a failed check's line reads MISMATCH
     (`is_failure`). Runs at world size 1 on `device` (CPU only with `smoke`)."""
-    settings = Settings.create(smoke, device, micro_batch, activation_checkpointing, fused_kernels)
+    settings = Settings.create(smoke, device, micro_batch, activation_checkpointing, fused_kernels, compile)
     config = settings.config()
     name = torch.cuda.get_device_name(device) if settings.cuda else "CPU"
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
@@ -551,7 +597,7 @@ def side_by_side_lines(
     yield (
         f"{settings.preset}: {config.describe()}; bf16 mixed precision, micro-batch {settings.micro_batch} x "
         f"{settings.seq_len} tokens, activation checkpointing {'on' if activation_checkpointing else 'off'}, "
-        f"fused kernels {fused_kernels}"
+        f"fused kernels {fused_kernels}, compile {'on' if compile else 'off'}"
     )
     yield ""
     with one_rank_group(device):
@@ -573,6 +619,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--fused", choices=FUSED_CHOICES, default="auto", help="TNLGConfig.fused_kernels of the tnlg variants"
     )
+    parser.add_argument(
+        "--compile", choices=("on", "off"), default="off",
+        help="also tnlg stage 0 and 3 with each block compiled (inductor), timed beside the eager ones",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.smoke:
         parser.exit(2, "side_by_side needs a CUDA device (use --smoke to check the script elsewhere)\n")
@@ -599,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         micro_batch=args.micro_batch,
         activation_checkpointing=args.activation_checkpointing == "on",
         fused_kernels=args.fused,
+        compile=args.compile == "on",
     )
     for line in lines:
         print(line, flush=True)

@@ -28,31 +28,43 @@ def debug_state() -> tuple[TNLGConfig, dict[str, torch.Tensor]]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not fused_ops.triton_available(), reason="triton is not installed")
-def test_smoke_run_gates_then_times_every_variant():
+@pytest.mark.parametrize("compile_flag", ["off", "on"])
+def test_smoke_run_gates_then_times_every_variant(compile_flag):
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not torch.cuda.is_available():  # on a GPU the smoke run uses the compiled kernels
         environment.setdefault("TRITON_INTERPRET", "1")
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.side_by_side", "--smoke"],
+        [sys.executable, "-m", "benchmarks.side_by_side", "--smoke", "--compile", compile_flag],
         cwd=REPO, env=environment, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    gate, _, rest = result.stdout.partition("### Training step")
+    header, _, rest = result.stdout.partition("### Gate")
+    gate, _, rest = rest.partition("### Training step")
     timing, _, kernels = rest.partition("### Kernels")
+    assert f"fused kernels auto, compile {compile_flag}" in header
     assert re.search(r"^\| 256x256x256 bf16 \| [\d.e+-]+ \|$", gate, re.M)  # after "gate passed"
     for kernel in ("LayerNorm", "bias \\+ GeLU", "chunked LM head \\+ cross-entropy", "fused Adam"):
         assert re.search(
             rf"^\| tnlg {kernel} .*\| [\d.]+ \| [\d.]+ \| [\d.]+x \| .* \| ok \|$", kernels, re.M
         )
     assert re.search(r"^\| GPT-2 conversion, fp32 logits \| .* \| ok \|$", gate, re.M)
-    for name in side_by_side.VARIANTS:
+    settings = side_by_side.Settings.create(True, CPU, None, checkpointing=True, compile=compile_flag == "on")
+    names = side_by_side.variants(settings)
+    assert len(names) == (6 if compile_flag == "on" else 4)
+    for name in names:
         assert re.search(rf"^\| {name} \| [\d.]+ \| [\d.e+-]+ \| ok \|$", gate, re.M), name
-        # step ms, tokens/s, MFU against the datasheet, against the matmul, peak memory (n/a on CPU)
-        row = rf"^\| {name} \| [\d.]+ \| [\d,]+ \| (n/a|[\d.]+%) \| [\d.]+% \| (n/a|[\d.]+) \|$"
-        assert re.search(row, timing, re.M), name
+        # step ms, tokens/s, MFU against the datasheet, against the matmul, peak memory (n/a on CPU), and
+        # with --compile on the compile seconds per ABBA slot of a compiled variant ("-" for an eager one)
+        compiling = r" [\d.]+, [\d.]+ \|" if name.endswith(" compiled") else r" - \|"
+        row = rf"^\| {name} \| [\d.]+ \| [\d,]+ \| (n/a|[\d.]+%) \| [\d.]+% \| (n/a|[\d.]+) \|"
+        row += compiling if compile_flag == "on" else ""
+        assert re.search(row + "$", timing, re.M), name
     assert "gate passed" in gate and "MISMATCH" not in result.stdout
     assert "tnlg stage 0 / Transformers GPT-2 tokens/s: " in timing
     assert "tnlg stage 3 / torch FSDP2 step time: " in timing
+    compared = re.search(r"^tnlg compiled / eager tokens/s: stage 0 [\d.]+, stage 3 [\d.]+$", timing, re.M)
+    assert (compared is not None) == (compile_flag == "on")
+    assert "compiled during the timed steps" not in timing  # the warmup step absorbed every compilation
 
 
 def test_converted_gpt2_computes_the_same_logits(debug_state):
