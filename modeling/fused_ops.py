@@ -34,7 +34,14 @@ import torch.nn.functional as F
 
 from .configuration_tnlg import FUSED_CHOICES
 
-__all__ = ["FUSED_CHOICES", "bias_gelu", "layer_norm", "linear_cross_entropy", "use_triton"]
+__all__ = [
+    "FUSED_CHOICES",
+    "bias_gelu",
+    "layer_norm",
+    "linear_cross_entropy",
+    "use_block_kernel",
+    "use_triton",
+]
 
 CROSS_ENTROPY_CHUNK_ROWS = 4096  # rows of logits alive at once in linear_cross_entropy
 GELU_SCALE = math.sqrt(2.0 / math.pi)
@@ -46,13 +53,8 @@ def triton_available() -> bool:
 
 
 def use_triton(choice: str, tensor: torch.Tensor) -> bool:
-    """Whether `TNLGConfig.fused_kernels` = `choice` runs the Triton kernels on `tensor`.
-
-    Not inside code torch.compile traces (a compiled decoder block): there inductor generates and fuses
-    the same elementwise and normalization kernels from torch's ops itself, and our kernels (launched
-    from autograd Functions) would be opaque calls it cannot fuse across. The head, outside the
-    compiled blocks, keeps the chunked Triton cross-entropy (it never builds the (B, T, V) logits)."""
-    if choice == "none" or torch.compiler.is_compiling():
+    """Whether `TNLGConfig.fused_kernels` = `choice` runs the Triton kernels on `tensor`."""
+    if choice == "none":
         return False
     if choice == "triton":
         if not triton_available():
@@ -61,6 +63,15 @@ def use_triton(choice: str, tensor: torch.Tensor) -> bool:
             )
         return True
     return tensor.is_cuda and triton_available()
+
+
+def use_block_kernel(choice: str, tensor: torch.Tensor) -> bool:
+    """`use_triton` for the kernels inside a decoder block (LayerNorm, bias + GeLU), and never in code
+    torch.compile traces: there inductor generates and fuses the same elementwise and normalization
+    kernels from torch's ops, while ours (launched from autograd Functions) would be opaque calls it
+    cannot fuse across. The output layer's chunked cross-entropy keeps `use_triton`: under the engine's
+    compiled blocks it runs eager, and it never builds the (B, T, V) logits."""
+    return use_triton(choice, tensor) and not torch.compiler.is_compiling()
 
 
 # ---------------------------------------------------------------------------- references
@@ -425,8 +436,8 @@ def _autocast_layer_norm_dtype(device_type, x_dtype, weight_dtype, bias_dtype, a
 
 
 def layer_norm(x, weight, bias, eps, choice: str = "triton"):
-    """LayerNorm over the last dimension (Triton when `use_triton(choice, x)`, else torch's)."""
-    if not use_triton(choice, x):
+    """LayerNorm over the last dimension (Triton when `use_block_kernel(choice, x)`, else torch's)."""
+    if not use_block_kernel(choice, x):
         return layer_norm_reference(x, weight, bias, eps)
     with _on_device(x):
         return _LayerNorm.apply(x, weight, bias, eps, _layer_norm_dtype(x, weight, bias))
@@ -468,8 +479,8 @@ class _BiasGelu(torch.autograd.Function):
 
 
 def bias_gelu(x, bias, choice: str = "triton"):
-    """`gelu_new(x + bias)` in one pass (Triton when `use_triton(choice, x)`)."""
-    if not use_triton(choice, x):
+    """`gelu_new(x + bias)` in one pass (Triton when `use_block_kernel(choice, x)`)."""
+    if not use_block_kernel(choice, x):
         return bias_gelu_reference(x, bias)
     with _on_device(x):
         return _BiasGelu.apply(x, bias)

@@ -176,7 +176,7 @@ class TNLGMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # fc_in is read past its forward only while it is a plain Linear (not a LoRA layer, say).
-        if fused_ops.use_triton(self.fused, hidden_states) and is_plain_linear(self.fc_in):
+        if fused_ops.use_block_kernel(self.fused, hidden_states) and is_plain_linear(self.fc_in):
             activated = fused_ops.bias_gelu(
                 nn.functional.linear(hidden_states, self.fc_in.weight), self.fc_in.bias, self.fused
             )

@@ -95,6 +95,8 @@ def initialize(
             f"{settings.source} accumulates {batch_sizes.gradient_accumulation_steps} per step "
             "(gradient_accumulation_steps): set it to 1"
         )
+    if compile_config is not None:
+        check_compile_fits(compile_config, zero)
     model_plan = apply_model_plan(model, groups) if groups is not None else ModelPlan({})
     optimizer = engine_optimizer(settings, model, optimizer)
     pipeline, shared = None, {}
@@ -105,10 +107,9 @@ def initialize(
         shared = shared_parameter_groups(groups, model_plan.pipeline, trainable)
         pipeline = PipelineRunner(model_plan.pipeline, groups, shared)
     plan = plan_sharding(model, optimizer, zero, own_units=set(shared))
-    compiled_blocks: tuple[str, ...] = ()
-    if compile_config is not None:  # this rank's blocks, as cut; before the engine hooks them
-        check_compile_fits(compile_config, zero)
-        compiled_blocks = tuple(compile_blocks(model, compile_config))
+    # This rank's blocks, as cut, before the engine hooks them; without compile_config, blocks an earlier
+    # engine compiled run eager again.
+    compiled_blocks = tuple(compile_blocks(model, compile_config))
     _check_backend(plan.device, collectives)
     placement = Placement(
         _target_device(device, plan.device),
@@ -137,7 +138,11 @@ def initialize(
         build_lr_scheduler=scheduler.build if scheduler is not None else None,
         compiled_blocks=compiled_blocks,
     )
-    return ZeroEngine(model, optimizer, parts)
+    try:
+        return ZeroEngine(model, optimizer, parts)
+    except BaseException:
+        compile_blocks(model, None)  # the model as it came, its blocks eager
+        raise
 
 
 def _target_device(requested: torch.device | str | None, planned: torch.device) -> torch.device:

@@ -97,36 +97,51 @@ def check_compile_fits(compile_config: CompileConfig, zero: ZeroConfig) -> None:
         )
 
 
-def compile_blocks(module: nn.Module, compile_config: CompileConfig) -> list[str]:
-    """Compile the forward of each block of `module` in place; returns the blocks' names."""
-    if compile_config.cache_dir is not None:
-        # Read by inductor whenever it looks for or writes a cached graph, so setting it before the
-        # first compile is enough; it is process-wide, as inductor's cache is.
-        os.makedirs(compile_config.cache_dir, exist_ok=True)
-        os.environ[CACHE_DIR_VARIABLE] = os.path.abspath(compile_config.cache_dir)
-    kwargs = compile_config.compile_kwargs()
-    names = []
-    for plan in find_blocks(module):
-        if plan.is_root:
-            continue  # what is left outside the blocks (embeddings, head): run once a step, kept eager
+def compile_blocks(module: nn.Module, compile_config: CompileConfig | None) -> list[str]:
+    """Compile the forward of each block of `module` in place (a forward compiled for an earlier engine
+    over the same module is replaced); with `compile_config=None` undo that, so that an engine built
+    without compiling runs eager code. Returns the names of the blocks compiled."""
+    blocks = [plan for plan in find_blocks(module) if not plan.is_root]  # the root: embeddings, head
+    for plan in blocks:
         own = vars(plan.module).get("forward")
-        if own is None:
-            compiled = torch.compile(plan.module.forward, **kwargs)
-            setattr(compiled, COMPILED_MARK, True)
-            plan.module.forward = compiled
-        elif not getattr(own, COMPILED_MARK, False):  # not compiled by an earlier engine over this model
+        if getattr(own, COMPILED_MARK, None) is not None:
+            del plan.module.forward  # the class's forward again
+        elif own is not None and compile_config is not None:
             raise ValueError(
                 f"compile: block {plan.name} has a forward set on the instance, not its class's; compiling "
                 "it would hide which one runs"
             )
-        names.append(plan.name)
-    if not names:
+    if compile_config is None:
+        return []
+    if not any(getattr(m, "_no_split_modules", None) for m in module.modules()):
         raise ValueError(
-            f"compile: {type(module).__name__} has no blocks to compile (declare the repeated layers in "
-            "_no_split_modules, as Transformers models do)"
+            f"compile: {type(module).__name__} declares no repeated blocks to compile (_no_split_modules, as "
+            "Transformers models do); the engine compiles those, never the whole model"
         )
-    logger.info("compile: %d blocks compiled with %s", len(names), kwargs)
-    return names
+    _use_cache_dir(compile_config.cache_dir)
+    kwargs = compile_config.compile_kwargs()
+    for plan in blocks:
+        compiled = torch.compile(plan.module.forward, **kwargs)
+        setattr(compiled, COMPILED_MARK, compile_config)
+        plan.module.forward = compiled
+    logger.info("compile: %d blocks compiled with %s", len(blocks), kwargs)
+    return [plan.name for plan in blocks]
+
+
+def _use_cache_dir(cache_dir: str | None) -> None:
+    """Point inductor's cache at `cache_dir`. Inductor reads the variable whenever it looks for or writes
+    a cached graph, so setting it before the first compile is enough; like inductor's cache it is
+    process-wide, and stays set for later compiles in the process."""
+    if cache_dir is None:
+        return
+    path = os.path.abspath(cache_dir)
+    previous = os.environ.get(CACHE_DIR_VARIABLE)
+    if previous is not None and os.path.abspath(previous) != path:
+        logger.info(
+            "compile: cache_dir %s replaces %s=%s for this process", path, CACHE_DIR_VARIABLE, previous
+        )
+    os.makedirs(path, exist_ok=True)
+    os.environ[CACHE_DIR_VARIABLE] = path
 
 
 class CompileClock:
@@ -152,9 +167,7 @@ class CompileClock:
             self._started = None
 
     def close(self) -> None:
-        for remove, callback in (
-            (self._handler.remove_start_callback, self._start),
-            (self._handler.remove_end_callback, self._end),
-        ):
-            if callback in self._handler.start_callbacks + self._handler.end_callbacks:
-                remove(callback)
+        if self._start in self._handler.start_callbacks:  # a torch._dynamo.reset() may have removed it
+            self._handler.remove_start_callback(self._start)
+        if self._end in self._handler.end_callbacks:
+            self._handler.remove_end_callback(self._end)

@@ -32,15 +32,15 @@ from .partition import FlatLayout, Unit
 from .plan import GroupPlan
 
 # What a placeholder answers: its metadata (memory accounting, shape checks, `.device` grouping, and
-# what torch.compile reads to fake a parameter with its .grad: view, conj/neg bits, the grad's own
-# grad). Anything that would read or write values raises.
+# what torch.compile reads to fake a parameter with its .grad: whether it is a view (it is not), its
+# conj/neg bits, the grad's own grad). Anything that would read or write values raises.
 _PLACEHOLDER_METADATA = frozenset(
     {
         "shape", "dtype", "device", "layout", "ndim", "names", "is_cuda", "is_cpu", "is_meta",
         "is_sparse", "is_quantized", "is_leaf", "requires_grad", "grad_fn", "size", "dim", "numel",
         "nelement", "stride", "storage_offset", "element_size", "untyped_storage", "data_ptr",
         "is_contiguous", "is_pinned", "is_floating_point", "is_complex", "__len__",
-        "_is_view", "_base", "grad", "is_conj", "is_neg", "is_inference", "is_mkldnn", "is_nested", "_is_zerotensor",
+        "_is_view", "grad", "is_conj", "is_neg", "is_inference", "is_mkldnn", "is_nested", "_is_zerotensor",
     }
 )  # fmt: skip
 
@@ -203,10 +203,18 @@ class FlatGroup:
             param.data = view
 
     def _allocate_gradients(self) -> None:
-        # One element shared by every placeholder: expanding and re-classing it allocates nothing.
-        zero = torch.zeros((), dtype=self.compute_dtype, device=self.device)
+        # One element per placeholder, every stride 0: the parameter's shape at the cost of one element.
+        # Made a subclass instance outright, not a view of a plain tensor (expand, as_subclass): a view's
+        # `_base`, which torch.compile reads, would hand out a plain tensor to read and write through.
         self.placeholders = [
-            zero.expand(param.shape).as_subclass(GradientPlaceholder) for param in self.params
+            torch.Tensor._make_subclass(
+                GradientPlaceholder,
+                torch.empty_strided(
+                    param.shape, (0,) * param.dim(), dtype=self.compute_dtype, device=self.device
+                ).zero_(),
+                False,
+            )
+            for param in self.params
         ]
         self.hide_gradients()
         if self.stage <= 1:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -67,6 +68,8 @@ from tnlg.state_files import (
     write_rank_state,
     write_scheduler_states,
 )
+
+logger = logging.getLogger(__name__)
 
 ENV_CONFIG, ENV_STAGE = "TNLG_ZERO_CONFIG", "TNLG_ZERO_STAGE"
 
@@ -216,22 +219,33 @@ def parallel_dims_for(parallel: ParallelDims | None, config: Any) -> ParallelDim
 
 def compile_config_for(given: CompileConfig | None, plugin: TorchDynamoPlugin) -> CompileConfig | None:
     """The engine's `CompileConfig`: the one `given`, else Accelerate's dynamo settings turned into one
-    (None when its backend is "no"); both is an error, since neither would be the one setting."""
-    if plugin.backend == DynamoBackend.NO:
+    (None when its backend is "no" or the plugin is disabled); both is an error, since neither would be
+    the one setting. Mode and options go through as given (CompileConfig refuses both at once)."""
+    if plugin.backend == DynamoBackend.NO or getattr(plugin, "disable", False):
         return given
     if given is not None:
         raise ValueError(
             f"compile_config and Accelerate's dynamo_backend={plugin.backend.value.lower()!r} both ask for "
             "torch.compile: give one (launch with --dynamo_backend no to keep compile_config's)"
         )
-    mode = plugin.mode if plugin.mode not in (None, "default") else None
     return CompileConfig(
         backend=plugin.backend.value.lower(),
-        mode=mode,
+        mode=plugin.mode if plugin.mode not in (None, "default") else None,
         fullgraph=bool(plugin.fullgraph),
         dynamic=plugin.dynamic,
-        options=dict(plugin.options or {}) if mode is None else {},
+        options=dict(plugin.options or {}),
     )
+
+
+def _log_fused_kernels_under_compile(model: nn.Module) -> None:
+    """Say once that a TNLG model's fused Triton kernels give way to inductor inside compiled blocks."""
+    choice = getattr(getattr(model, "config", None), "fused_kernels", "none")
+    if choice != "none":
+        logger.info(
+            "compile: inside the compiled blocks inductor fuses torch's ops itself, so fused_kernels=%r "
+            "applies outside them only (the output layer and loss; see tnlg.modeling.fused_ops.use_block_kernel)",
+            choice,
+        )
 
 
 class ZeroAccelerator(Accelerator):
@@ -291,6 +305,9 @@ class ZeroAccelerator(Accelerator):
         self.compile_config = None
         if self.zero_config is not None:
             self.compile_config = compile_config_for(compile_config, self.state.dynamo_plugin)
+            # Taken over: Accelerate's own prepare_model (which the Trainer calls for an evaluation
+            # before training, say) must not compile the whole model around the engine's blocks.
+            self.state.dynamo_plugin = TorchDynamoPlugin(backend="no")
         elif compile_config is not None:
             raise ValueError("compile_config= needs the ZeRO engine on (zero_config or TNLG_ZERO_* settings)")
 
@@ -374,6 +391,8 @@ class ZeroAccelerator(Accelerator):
             parallel=self.parallel_groups,  # the grid built at __init__: no second set of groups
             compile_config=self.compile_config,
         )
+        if self.compile_config is not None:
+            _log_fused_kernels_under_compile(model)
         self.engines.append(engine)
         self._models.append(engine)
         wrapped_optimizer = AcceleratedEngineOptimizer(

@@ -49,6 +49,7 @@ def test_torch_compile_compiles_the_blocks_inside_the_engine(runs):
     results, _ = runs
     assert results[3]["compiled_blocks"] == []
     assert results["compiled"]["compiled_blocks"] == ["model.layers.0", "model.layers.1"]
+    assert results["compiled"]["compiles"] >= 1 and results[3]["compiles"] == 0  # compiled code ran
     assert results["compiled"]["losses"] == pytest.approx(results[3]["losses"], rel=1e-5)
     assert results["compiled"]["norms"] == pytest.approx(results[3]["norms"], rel=1e-5)
 

@@ -48,7 +48,9 @@ def test_smoke_run_gates_then_times_every_variant(compile_flag):
             rf"^\| tnlg {kernel} .*\| [\d.]+ \| [\d.]+ \| [\d.]+x \| .* \| ok \|$", kernels, re.M
         )
     assert re.search(r"^\| GPT-2 conversion, fp32 logits \| .* \| ok \|$", gate, re.M)
-    settings = side_by_side.Settings.create(True, CPU, None, checkpointing=True, compile=compile_flag == "on")
+    settings = side_by_side.Settings.create(
+        True, CPU, None, checkpointing=True, compiled=compile_flag == "on"
+    )
     names = side_by_side.variants(settings)
     assert len(names) == (6 if compile_flag == "on" else 4)
     for name in names:

@@ -41,3 +41,8 @@ def test_compile_settings_are_checked_when_the_config_is_read():
     )
     assert CompileSection().settings(Path("out")) is None  # off unless enabled
     assert CompileSection(enabled=True, cache_dir="elsewhere").settings(Path("out")).cache_dir == "elsewhere"
+
+
+def test_compile_settings_without_enabled_are_named():
+    with pytest.raises(ValueError, match=r"model.compile.mode is set but model.compile.enabled is false"):
+        load_run_config(DEBUG, ["--model.compile.mode", "max-autotune"])

@@ -99,20 +99,21 @@ def layouts(*items: Layout) -> list[dict]:
 
 
 def fresh_compile_counts(rank: int, world_size: int, cache_dir: str) -> dict:
-    """One compiled stage-2 step with inductor's graphs cached in `cache_dir`: inductor's cache hits and
-    misses (a second process with the same directory should only hit) and the compile time."""
+    """The stage-2 layout trained compiled (as `train`), inductor's graphs cached in `cache_dir`: inductor's
+    cache hits and misses (a second process with the same directory should only hit)."""
     compiled = CompileConfig(backend="inductor", cache_dir=cache_dir)
     result = train(Layout(2), compiled)
     return {
         "hits": counters["inductor"]["fxgraph_cache_hit"],
         "misses": counters["inductor"]["fxgraph_cache_miss"],
-        "compile_stats": result["compile_stats"],
+        "compiles": result["compile_stats"]["compiles"],
     }
 
 
 def accelerate_dynamo(rank: int, world_size: int, backend: str) -> dict:
     """Accelerate's own `dynamo_backend` on a ZeroAccelerator (stage 3): three steps of the standard loop;
-    the losses, which blocks the engine compiled and the model class the Accelerator hands back."""
+    the losses, which blocks the engine compiled (and how often torch compiled), the model class the
+    Accelerator hands back, and what its prepare_model makes of another model."""
     from tests.support.zero_tnlg_cases import debug_model
     from tnlg.accelerate import ZeroAccelerator
 
@@ -131,11 +132,16 @@ def accelerate_dynamo(rank: int, world_size: int, backend: str) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(accelerator.reduce(loss.detach(), "mean").item())
+    # Accelerate's own prepare_model (the Trainer's, for an evaluation before training) must not compile
+    # the whole model around the engine's blocks.
+    other = accelerator.prepare_model(debug_model(), evaluation_mode=True)
     result = {
         "losses": losses,
         "compiled_blocks": list(engine.compiled_blocks),
+        "compile_stats": engine.compile_stats(),
         "graph_breaks": dict(counters["graph_break"]),
         "unwrapped": type(accelerator.unwrap_model(engine)).__name__,
+        "prepare_model": type(other).__name__,
     }
     engine.close()
     return result

@@ -81,6 +81,7 @@ def train(
     trainer = make(model=model, args=args, train_dataset=dataset(world_size), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume or None)
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    engines = getattr(trainer.accelerator, "engines", [])  # the plain Trainer's Accelerator has none
     result = {
         "steps": [entry["step"] for entry in history],
         "losses": [entry["loss"] for entry in history],
@@ -88,9 +89,8 @@ def train(
         "lrs": [entry["learning_rate"] for entry in history],
         "accelerator": type(trainer.accelerator).__name__,
         "parameter_dtype": str(next(trainer.model.parameters()).dtype),
-        "compiled_blocks": [
-            b for e in getattr(trainer.accelerator, "engines", []) for b in e.compiled_blocks
-        ],
+        "compiled_blocks": [b for e in engines for b in e.compiled_blocks],
+        "compiles": sum((e.compile_stats() or {"compiles": 0})["compiles"] for e in engines),
     }
     if save_final:
         trainer.save_model(f"{output_dir}/final")

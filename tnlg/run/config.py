@@ -49,7 +49,8 @@ class CompileSection:
     """`enabled` compiles each decoder block with torch.compile inside the engine (never the whole model;
     see [Note: compiled blocks] in tnlg/sharding/compile.py), with torch.compile's `backend`, `mode`,
     `fullgraph` and `dynamic`. `cache_dir` is where inductor keeps the compiled graphs, so that a resumed
-    run reads them instead of compiling again; by default `compile_cache` in the run's output directory."""
+    run reads them and skips most of the compiling; by default `compile_cache` in the run's output
+    directory. It is set for the whole process, as inductor's cache is (its `TORCHINDUCTOR_CACHE_DIR`)."""
 
     enabled: bool = False
     backend: str = "inductor"
@@ -61,6 +62,17 @@ class CompileSection:
     def __post_init__(self) -> None:
         if self.enabled:
             self.settings(Path("."))  # an unknown backend or mode is named when the config is read
+            return
+        given = [
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name != "enabled" and getattr(self, f.name) != f.default
+        ]
+        if given:
+            # A setting that would not be applied is more likely a forgotten `enabled` than a choice.
+            raise ValueError(
+                f"model.compile.{given[0]} is set but model.compile.enabled is false: set it to true to compile"
+            )
 
     def settings(self, output_dir: Path) -> CompileConfig | None:
         """The engine's CompileConfig (None when off), the cache under `output_dir` unless given."""

@@ -121,12 +121,6 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
     model = (job.build_model or meta_model)(architecture)
     if config.model.activation_checkpointing.enabled:  # before the engine hooks the blocks
         enable_activation_checkpointing(model)
-    if accelerator.compile_config is not None and architecture.fused_kernels != "none":
-        logger.info(
-            "compile: inside the compiled decoder blocks inductor fuses torch's ops itself, so fused_kernels=%s "
-            "applies to the head only (see tnlg.modeling.fused_ops.use_triton)",
-            architecture.fused_kernels,
-        )
     optimizer = build_optimizer(model, config.optimizer)
     # The scheduler is stepped by the loop once per optimizer step (Accelerate's wrapper would step it
     # once per process, for loops whose step counts assume one process), so it is not prepared.
@@ -332,7 +326,7 @@ def train(config: TrainingConfig, job: TrainingJob, resume: str | None = None) -
         if metrics.get("compiles", 0) > compiles:
             compiles = metrics["compiles"]
             logger.info(
-                "step %d: torch.compile has compiled %d graphs in %.1f s so far",
+                "step %d: torch.compile has run %d compilations in %.1f s so far",
                 step + 1,
                 compiles,
                 metrics["compile_s"],
