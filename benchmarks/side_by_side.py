@@ -87,16 +87,16 @@ class Settings:
     adam_numel: int | None = None  # None: the model's parameter count
     init_std: float | None = None  # None: the preset's initializer_range
     fused_kernels: str = "auto"  # TNLGConfig.fused_kernels of the tnlg variants
-    compile: bool = False  # also the tnlg variants with compiled blocks (`COMPILED_VARIANTS`)
+    compiled: bool = False  # also the tnlg variants with compiled blocks (`COMPILED_VARIANTS`)
 
     @classmethod
     def create(
         cls, smoke: bool, device: torch.device, micro_batch: int | None, checkpointing: bool,
-        fused_kernels: str = "auto", compile: bool = False,
+        fused_kernels: str = "auto", compiled: bool = False,
     ) -> Settings:  # fmt: skip
         if not smoke:
             return cls(
-                device, smoke, micro_batch or 4, checkpointing, fused_kernels=fused_kernels, compile=compile
+                device, smoke, micro_batch or 4, checkpointing, fused_kernels=fused_kernels, compiled=compiled
             )
         # The interpreter runs the Triton kernels on CPU: tiny sizes, one repeat.
         return cls(
@@ -104,7 +104,7 @@ class Settings:
             timed_steps=1, matmul_size=256, repeats=1, warmup=1, adam_numel=10_000,
             # Logits as spread as tnlg-1.3b's at its init (0.02 x sqrt(2048) = 0.9): 1 / sqrt(64). At
             # 0.02 the debug model's logits are nearly flat and no loss tells one model from another.
-            init_std=0.125, fused_kernels=fused_kernels, compile=compile,
+            init_std=0.125, fused_kernels=fused_kernels, compiled=compiled,
         )  # fmt: skip
 
     def config(self, fused_kernels: str | None = None) -> TNLGConfig:
@@ -296,7 +296,7 @@ COMPILED_VARIANTS: dict[str, Callable[[Workload], Trainer]] = {
 
 def variants(settings: Settings) -> dict[str, Callable[[Workload], Trainer]]:
     """This run's variants, in their A B C ... order: `VARIANTS`, then the compiled ones if asked for."""
-    return {**VARIANTS, **(COMPILED_VARIANTS if settings.compile else {})}
+    return {**VARIANTS, **(COMPILED_VARIANTS if settings.compiled else {})}
 
 
 # ---------------------------------------------------------------------------- ABBA slots
@@ -426,9 +426,9 @@ def timing_lines(
     yield ""
     # The compile column only with --compile on: without, the table is as before (gpu_first_contact reads
     # its six cells).
-    column = " compile s (per slot) |" if settings.compile else ""
+    column = " compile s (per slot) |" if settings.compiled else ""
     yield f"| variant | step ms | tokens/s | MFU ({datasheet}) | MFU (measured matmul) | peak memory GiB |{column}"
-    yield "|---|---|---|---|---|---|" + ("---|" if settings.compile else "")
+    yield "|---|---|---|---|---|---|" + ("---|" if settings.compiled else "")
     medians = {
         name: statistics.median(s for slot in runs for s in slot.seconds) for name, runs in slots.items()
     }
@@ -437,10 +437,10 @@ def timing_lines(
         mfu = f"{100 * achieved / peak:.1f}%" if peak else "n/a"
         peaks = [slot.peak_bytes for slot in slots[name] if slot.peak_bytes is not None]
         memory = f"{max(peaks) / 2**30:.1f}" if peaks else "n/a"
-        # Dynamo's cache is the process's: the first compiled slot compiles the block, later ones (stage 3's
-        # too, the same code and shapes) reuse it and read about 0
+        # Dynamo's cache is the process's: on CPU the first compiled slot compiled the block and the later
+        # ones (stage 3's too, the same code and shapes) reused it, reading about 0
         compiling = [slot.compile_seconds for slot in slots[name] if slot.compile_seconds is not None]
-        cell = f" {', '.join(f'{s:.1f}' for s in compiling) or '-'} |" if settings.compile else ""
+        cell = f" {', '.join(f'{s:.1f}' for s in compiling) or '-'} |" if settings.compiled else ""
         yield (
             f"| {name} | {seconds * 1e3:.1f} | {tokens / seconds:,.0f} | {mfu} "
             f"| {100 * achieved / matmul_flops:.1f}% | {memory} |{cell}"
@@ -449,7 +449,7 @@ def timing_lines(
     stage0, stage3 = medians["tnlg stage 0"], medians["tnlg stage 3"]
     yield f"tnlg stage 0 / Transformers GPT-2 tokens/s: {medians['Transformers GPT-2'] / stage0:.2f}"
     yield f"tnlg stage 3 / torch FSDP2 step time: {stage3 / medians['torch FSDP2']:.2f}"
-    if settings.compile:  # the goal (tnlg-1.3b on a GPU): compiled at least 1.1x eager tokens/s
+    if settings.compiled:  # the goal (tnlg-1.3b on a GPU): compiled at least 1.1x eager tokens/s
         ratios = [medians[f"tnlg stage {s}"] / medians[f"tnlg stage {s} compiled"] for s in (0, 3)]
         yield f"tnlg compiled / eager tokens/s: stage 0 {ratios[0]:.2f}, stage 3 {ratios[1]:.2f}"
     late = [name for name, runs in slots.items() if any(slot.late_compiles for slot in runs)]
@@ -581,11 +581,11 @@ def side_by_side_lines(
     micro_batch: int | None = None,
     activation_checkpointing: bool = True,
     fused_kernels: str = "auto",
-    compile: bool = False,
+    compiled: bool = False,
 ) -> Iterator[str]:
     """The report's lines, each as soon as it is known; a failed check's line reads MISMATCH
     (`is_failure`). Runs at world size 1 on `device` (CPU only with `smoke`)."""
-    settings = Settings.create(smoke, device, micro_batch, activation_checkpointing, fused_kernels, compile)
+    settings = Settings.create(smoke, device, micro_batch, activation_checkpointing, fused_kernels, compiled)
     config = settings.config()
     name = torch.cuda.get_device_name(device) if settings.cuda else "CPU"
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
@@ -597,7 +597,7 @@ def side_by_side_lines(
     yield (
         f"{settings.preset}: {config.describe()}; bf16 mixed precision, micro-batch {settings.micro_batch} x "
         f"{settings.seq_len} tokens, activation checkpointing {'on' if activation_checkpointing else 'off'}, "
-        f"fused kernels {fused_kernels}, compile {'on' if compile else 'off'}"
+        f"fused kernels {fused_kernels}, compile {'on' if compiled else 'off'}"
     )
     yield ""
     with one_rank_group(device):
@@ -649,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         micro_batch=args.micro_batch,
         activation_checkpointing=args.activation_checkpointing == "on",
         fused_kernels=args.fused,
-        compile=args.compile == "on",
+        compiled=args.compile == "on",
     )
     for line in lines:
         print(line, flush=True)
