@@ -9,6 +9,8 @@ whole model. What is compiled is the block's `forward` (an attribute of the inst
 the gradient hooks on its outputs) then run eagerly around the compiled code instead of being traced
 into it, where their collectives and state changes would break the graph. Parameter names and the
 state dict stay the model's own (no `_orig_mod.` prefix, as wrapping in `torch.compile(module)` gives).
+An engine built later over the same model replaces these forwards with its own setting's, or with the
+class's forward when it compiles nothing: what an engine runs is what it was given.
 
 Why one graph serves every block and every step:
 - The blocks run the same code; Dynamo lifts their parameters into graph inputs
@@ -53,8 +55,8 @@ COMPILED_MARK = "_tnlg_compiled_block"
 class CompileConfig:
     """How `initialize` compiles each block (see [Note: compiled blocks]): `torch.compile`'s own
     `backend`, `mode`, `fullgraph`, `dynamic` and `options`, and `cache_dir`, where inductor keeps what
-    it compiled, so that a resumed run (or any later one with the same model) reads it instead of
-    compiling again."""
+    it compiled, so that a resumed run (or any later one with the same model) reads it and skips most of
+    the compiling (Dynamo still traces the blocks)."""
 
     backend: str = "inductor"
     mode: str | None = None
