@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from .config import ZeroConfig
-from .plan import find_blocks
+from .plan import declared_block_classes, find_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def compile_blocks(module: nn.Module, compile_config: CompileConfig | None) -> l
             )
     if compile_config is None:
         return []
-    if not any(getattr(m, "_no_split_modules", None) for m in module.modules()):
+    if not declared_block_classes(module):
         raise ValueError(
             f"compile: {type(module).__name__} declares no repeated blocks to compile (_no_split_modules, as "
             "Transformers models do); the engine compiles those, never the whole model"

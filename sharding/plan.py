@@ -125,6 +125,11 @@ def _isolate_units(groups: list[GroupPlan], alone: set[str], names: set[str]) ->
         group.units, group.unit_blocks = units, blocks
 
 
+def declared_block_classes(module: nn.Module) -> set[str]:
+    """The class names `module` and its submodules declare in `_no_split_modules` (Transformers' way)."""
+    return {name for m in module.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
+
+
 def find_blocks(module: nn.Module) -> list[BlockPlan]:
     """The gather blocks: `_no_split_modules` instances (outermost), else the model's children.
 
@@ -134,7 +139,7 @@ def find_blocks(module: nn.Module) -> list[BlockPlan]:
     so hooks on them would never fire). Parameters outside every block belong to the root block (the
     model itself), gathered for the whole step: typically the embeddings and the output layer.
     """
-    no_split = {name for m in module.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
+    no_split = declared_block_classes(module)
     blocks: list[BlockPlan] = []
     if no_split:
         taken: list[str] = []
