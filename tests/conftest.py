@@ -20,6 +20,29 @@ if not torch.cuda.is_available():
 
 import tnlg  # noqa: F401  (registers the Auto classes)
 from tnlg import TNLGConfig, TNLGForCausalLM
+from tnlg.tools.spawn import preload_workers
+
+# Several hundred tests run functions on 2-4 gloo ranks. A spawned rank spends seconds importing
+# torch, Transformers and tnlg before it runs a function that mostly takes less; ranks forked from
+# a server that imported them once start in a fraction of a second. The server starts here, with the
+# session's environment (TRITON_INTERPRET chosen above) and before any test changes a variable, and
+# imports in the background while the tests are collected. None of these modules reads, on import,
+# a variable a test sets for its ranks: those (TNLG_*, TRITON_INTERPRET for the fused Adam kernel,
+# TORCHINDUCTOR_CACHE_DIR) are read when used, and each rank gets the caller's environment.
+preload_workers(
+    [
+        "torch",
+        "torch.distributed",
+        "transformers",
+        "accelerate",
+        "datasets",
+        "tnlg",
+        "tnlg.accelerate",
+        "tnlg.trainer",
+        "tnlg.run.pretrain",
+        "sharding.engine",
+    ]
+)
 
 
 def pytest_collection_modifyitems(config, items):

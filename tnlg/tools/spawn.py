@@ -5,6 +5,9 @@
 - A rank that raises sends its traceback; the harness re-raises it in the test, naming the rank.
 - Nothing hangs: collectives time out (`collective_timeout`) and the whole run has a deadline
   (`timeout`) after which every process is killed.
+- A caller that runs many of these (a test suite) can call `preload_workers` once: ranks are then forked
+  from a server that has imported the heavy modules, instead of each importing torch and Transformers
+  afresh (seconds per rank on a small machine, more than most of the functions take).
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ import os
 import queue
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# How ranks start: "spawn" (a fresh interpreter each) until `preload_workers` picks "forkserver".
+_start_method = "spawn"
 
 
 class RankFailed(RuntimeError):
@@ -33,7 +39,37 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, collective_timeout, results, args):
+def preload_workers(modules: Sequence[str]) -> None:
+    """Start the ranks of every later `run_distributed` by forking a server that imported `modules` once.
+
+    This is multiprocessing's "forkserver" start method with a preload list. The server is started
+    now, in the background (it imports while the caller goes on), and lives until this process ends.
+
+    - Each rank still begins with the caller's environment as it is at the `run_distributed` call,
+      as a spawned rank would: it is handed over and replaces the server's.
+    - A preloaded module that reads a variable when it is imported keeps the value the server saw
+      when it started. So call this before changing such variables, and preload no module whose
+      import should depend on them. The modules must not initialise CUDA, whose state does not
+      survive a fork.
+    - A module that fails to import in the server is imported by each rank instead, as before.
+    - Ranks print to the server's output (this process's when the server started), not to whatever
+      the caller's output is at the later call.
+
+    The first call's list stands for the life of the server: call it once, early.
+    """
+    global _start_method
+    import multiprocessing.forkserver
+
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(modules))
+    multiprocessing.forkserver.ensure_running()
+    _start_method = "forkserver"
+
+
+def _worker(fn, rank, world_size, port, collective_timeout, results, args, environ):
+    # A forked rank inherits the fork server's environment; the caller's is the one a rank must see.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -69,11 +105,14 @@ def run_distributed(
     collective_timeout: float = 60.0,
 ) -> list[Any]:
     """`[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]`, each run in its own process."""
-    context = mp.get_context("spawn")
+    context = mp.get_context(_start_method)
     results = context.Queue()
     port = free_port()
+    environ = dict(os.environ)
     processes = [
-        context.Process(target=_worker, args=(fn, rank, world_size, port, collective_timeout, results, args))
+        context.Process(
+            target=_worker, args=(fn, rank, world_size, port, collective_timeout, results, args, environ)
+        )
         for rank in range(world_size)
     ]
     for process in processes:
