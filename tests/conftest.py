@@ -20,29 +20,13 @@ if not torch.cuda.is_available():
 
 import tnlg  # noqa: F401  (registers the Auto classes)
 from tnlg import TNLGConfig, TNLGForCausalLM
-from tnlg.tools.spawn import preload_workers
+from tnlg.tools.spawn import start_rank_server
 
-# Several hundred tests run functions on 2-4 gloo ranks. A spawned rank spends seconds importing
-# torch, Transformers and tnlg before it runs a function that mostly takes less; ranks forked from
-# a server that imported them once start in a fraction of a second. The server starts here, with the
-# session's environment (TRITON_INTERPRET chosen above) and before any test changes a variable, and
-# imports in the background while the tests are collected. None of these modules reads, on import,
-# a variable a test sets for its ranks: those (TNLG_*, TRITON_INTERPRET for the fused Adam kernel,
-# TORCHINDUCTOR_CACHE_DIR) are read when used, and each rank gets the caller's environment.
-preload_workers(
-    [
-        "torch",
-        "torch.distributed",
-        "transformers",
-        "accelerate",
-        "datasets",
-        "tnlg",
-        "tnlg.accelerate",
-        "tnlg.trainer",
-        "tnlg.run.pretrain",
-        "sharding.engine",
-    ]
-)
+# Several hundred tests run functions on 2-4 gloo ranks, forked from a server that imports torch,
+# Transformers and tnlg once (tnlg/tools/spawn.py). It starts here, with the session's environment
+# (TRITON_INTERPRET chosen above) before any test changes a variable, and imports in the background
+# while the tests are collected.
+start_rank_server()
 
 
 def pytest_collection_modifyitems(config, items):

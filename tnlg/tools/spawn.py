@@ -1,32 +1,48 @@
 """A small harness that runs a function on N gloo processes and returns each rank's result.
 
-- Each rank runs `fn(rank, world_size, *args)` in a fresh (spawned) interpreter, with the default
-  process group initialised over loopback.
+- Each rank runs `fn(rank, world_size, *args)` in its own process, with the default process group
+  initialised over loopback and the caller's environment as it is at the call.
 - A rank that raises sends its traceback; the harness re-raises it in the test, naming the rank.
 - Nothing hangs: collectives time out (`collective_timeout`) and the whole run has a deadline
   (`timeout`) after which every process is killed.
-- A caller that runs many of these (a test suite) can call `preload_workers` once: ranks are then forked
-  from a server that has imported the heavy modules, instead of each importing torch and Transformers
-  afresh (seconds per rank on a small machine, more than most of the functions take).
+
+Ranks are forked from a server process that has imported torch, Transformers and tnlg once
+(multiprocessing's "forkserver" start method with a preload list), rather than spawned as fresh
+interpreters: on a small machine each spawned rank spent seconds importing them, longer than most
+of the functions a test suite runs take. See `start_rank_server` for what a fork server changes.
 """
 
 from __future__ import annotations
 
 import datetime
 import io
+import multiprocessing.forkserver
 import os
 import queue
 import socket
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# How ranks start: "spawn" (a fresh interpreter each) until `preload_workers` picks "forkserver".
-_start_method = "spawn"
+# What the fork server imports before it forks any rank. Importing them initialises no CUDA (which a
+# fork cannot carry), and none of them reads, on import, a variable that callers set per run (the
+# TNLG_* settings, TRITON_INTERPRET for the fused Adam kernel, TORCHINDUCTOR_CACHE_DIR are read when
+# used). Ranks that need more (datasets, DeepSpeed, inductor) import it themselves.
+RANK_SERVER_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "accelerate",
+    "tnlg",
+    "tnlg.accelerate",
+    "tnlg.trainer",
+    "tnlg.run.pretrain",
+    "tnlg.sharding.engine",
+)
 
 
 class RankFailed(RuntimeError):
@@ -39,31 +55,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def preload_workers(modules: Sequence[str]) -> None:
-    """Start the ranks of every later `run_distributed` by forking a server that imported `modules` once.
+def start_rank_server() -> None:
+    """Start the server that `run_distributed` forks its ranks from, if it is not running yet.
 
-    This is multiprocessing's "forkserver" start method with a preload list. The server is started
-    now, in the background (it imports while the caller goes on), and lives until this process ends.
+    `run_distributed` starts it on its first call; call this earlier to have it import in the
+    background while the caller goes on (a test session calls it while tests are collected). It
+    lives until this process ends. What a forked rank differs in from a spawned one:
 
-    - Each rank still begins with the caller's environment as it is at the `run_distributed` call,
-      as a spawned rank would: it is handed over and replaces the server's.
-    - A preloaded module that reads a variable when it is imported keeps the value the server saw
-      when it started. So call this before changing such variables, and preload no module whose
-      import should depend on them. The modules must not initialise CUDA, whose state does not
-      survive a fork.
-    - A module that fails to import in the server is imported by each rank instead, as before.
-    - Ranks print to the server's output (this process's when the server started), not to whatever
-      the caller's output is at the later call.
-
-    The first call's list stands for the life of the server: call it once, early.
+    - Its environment is the caller's at the `run_distributed` call, handed over and put in place
+      of the server's. But a preloaded module that read a variable when it was imported keeps the
+      value the server saw when it started: start it before changing such a variable.
+    - A rank prints to the server's output (this process's when the server started), not to
+      whatever the caller's output is at the later call. Its traceback still comes back to the
+      caller in `RankFailed`.
+    - A preloaded module that fails to import in the server is imported by each rank instead.
     """
-    global _start_method
-    import multiprocessing.forkserver
-
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(list(modules))
+    # multiprocessing keeps one fork server per process; the preload list is read when it starts.
+    mp.get_context("forkserver").set_forkserver_preload(list(RANK_SERVER_PRELOAD))
     multiprocessing.forkserver.ensure_running()
-    _start_method = "forkserver"
 
 
 def _worker(fn, rank, world_size, port, collective_timeout, results, args, environ):
@@ -105,7 +114,8 @@ def run_distributed(
     collective_timeout: float = 60.0,
 ) -> list[Any]:
     """`[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]`, each run in its own process."""
-    context = mp.get_context(_start_method)
+    start_rank_server()
+    context = mp.get_context("forkserver")
     results = context.Queue()
     port = free_port()
     environ = dict(os.environ)
