@@ -287,7 +287,8 @@ def test_cuda_extension_updates_many_tensors_in_one_launch(cuda_extension_built)
 @pytest.fixture(scope="module")
 def engine_runs():
     # The ranks run on CPU with gloo, and two runs force the Triton kernel: in the interpreter, set in
-    # the environment the spawned ranks start with (so before they import triton), on any machine.
+    # the environment the ranks are handed, on any machine. Their fork server may have imported triton
+    # without it (on a GPU machine); the fused Adam kernel is decorated on its first use, in the rank.
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
         return run_distributed(fused_adam_matrix, 2, timeout=900)[0]

@@ -8,11 +8,15 @@ import sys
 import torch
 import torch.distributed as dist
 
+# Read once, when a rank imports this module: the harness must have put the caller's environment in
+# place by then, as a spawned interpreter would have it.
+PROBE_AT_IMPORT = os.environ.get("TNLG_SPAWN_PROBE")
+
 
 def rank_view(rank: int, world_size: int, names: list[str]) -> dict:
-    """What a rank sees: its place, a collective over all ranks, the named variables, whether it was
-    forked from the preloaded server (tnlg.trainer is imported on first use, and only the server
-    imports it unasked)."""
+    """What a rank sees: its place, a collective over all ranks, the named variables (now and when this
+    module was imported), a draw from torch's generator, and whether it came from the preloaded server
+    (tnlg.run.pretrain is imported on first use, and only the server imports it unasked)."""
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
     return {
@@ -20,7 +24,9 @@ def rank_view(rank: int, world_size: int, names: list[str]) -> dict:
         "world_size": world_size,
         "sum": total.item(),
         "environ": {name: os.environ.get(name) for name in names},
-        "preloaded": "tnlg.trainer" in sys.modules,
+        "probe_at_import": PROBE_AT_IMPORT,
+        "draw": torch.rand(1).item(),
+        "preloaded": "tnlg.run.pretrain" in sys.modules,
     }
 
 

@@ -13,6 +13,8 @@ def test_results_come_back_in_rank_order_from_ranks_forked_off_the_preloaded_ser
     assert [view["rank"] for view in views] == [0, 1, 2]
     assert all(view["world_size"] == 3 and view["sum"] == 6.0 for view in views)
     assert all(view["preloaded"] for view in views)
+    # Each rank seeds its generator afresh, as a new interpreter would, not the server's copy.
+    assert len({view["draw"] for view in views}) == 3
 
 
 def test_ranks_see_the_callers_environment_at_the_call_not_the_servers(monkeypatch):
@@ -26,6 +28,21 @@ def test_ranks_see_the_callers_environment_at_the_call_not_the_servers(monkeypat
             "PATH": None,
             "WORLD_SIZE": "2",  # what the harness sets for each rank comes on top
         }
+        # Already in place when the function's module was imported in the rank.
+        assert view["probe_at_import"] == "set after the server started"
+
+
+def test_spawned_ranks_are_fresh_interpreters_with_the_same_results():
+    views = run_distributed(rank_view, 2, [], start_method="spawn")
+    assert [(view["rank"], view["sum"]) for view in views] == [(0, 3.0), (1, 3.0)]
+    assert not any(view["preloaded"] for view in views)
+
+
+def test_a_function_ranks_cannot_import_or_an_unknown_start_method_is_refused_before_any_rank_starts():
+    with pytest.raises(ValueError, match="defined at a module's top level"):
+        run_distributed(lambda rank, world_size: rank, 2)
+    with pytest.raises(ValueError, match=r"start_method is one of .*'fork'"):
+        run_distributed(rank_view, 2, [], start_method="fork")
 
 
 def test_a_rank_that_raises_fails_the_run_with_its_traceback_and_rank():
