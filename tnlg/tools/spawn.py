@@ -32,12 +32,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # What the fork server imports before it forks any rank (with what they import in turn: triton,
-# Dynamo's and inductor's configs, huggingface_hub, numpy). Importing them calls no CUDA function (a
-# fork cannot carry CUDA's state). The settings tnlg's callers change per run are read when used
-# (TNLG_*, TRITON_INTERPRET for the fused Adam kernel, inductor's cache directory); a few variables
-# are read once on import and keep the server's value in every rank (huggingface_hub's HF_HOME and
-# HF_HUB_OFFLINE, Dynamo's package-cache path from TORCHINDUCTOR_CACHE_DIR). The Trainer (which
-# brings datasets and pyarrow, with its allocator thread) and DeepSpeed are left to the ranks.
+# Dynamo's and inductor's configs, huggingface_hub, numpy). Importing them queries no CUDA device (a
+# fork cannot carry CUDA's state; checked on the CPU build, where no torch.cuda function runs). The
+# settings tnlg's callers change per run are read when used (TNLG_*, TRITON_INTERPRET for the fused
+# Adam kernel, inductor's cache directory); a few variables are read once on import and keep the
+# server's value in every rank (huggingface_hub's HF_HOME and HF_HUB_OFFLINE, Dynamo's package-cache
+# path from TORCHINDUCTOR_CACHE_DIR). The Trainer (which brings datasets and pyarrow, with its
+# allocator thread) and DeepSpeed are left to the ranks.
 RANK_SERVER_PRELOAD = (
     "torch",
     "torch.distributed",
