@@ -47,9 +47,14 @@ CROSS_ENTROPY_CHUNK_ROWS = 4096  # rows of logits alive at once in linear_cross_
 GELU_SCALE = math.sqrt(2.0 / math.pi)
 
 
-@functools.cache
+# Looked up once, at import: a constant is all Dynamo reads when a kernel choice is traced. Calling
+# `importlib.util.find_spec` there (as a cached function did) is a graph break on torch 2.11: on an H100
+# each compiled block broke at its kernel choices, and compiling gained nothing with checkpointing on.
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return TRITON_INSTALLED
 
 
 def use_triton(choice: str, tensor: torch.Tensor) -> bool:
@@ -70,8 +75,9 @@ def use_block_kernel(choice: str, tensor: torch.Tensor) -> bool:
     torch.compile traces: there inductor generates and fuses the same elementwise and normalization
     kernels from torch's ops, while ours (launched from autograd Functions) would be opaque calls it
     cannot fuse across. The output layer's chunked cross-entropy keeps `use_triton`: under the engine's
-    compiled blocks it runs eager, and it never builds the (B, T, V) logits."""
-    return use_triton(choice, tensor) and not torch.compiler.is_compiling()
+    compiled blocks it runs eager, and it never builds the (B, T, V) logits. Compiling is asked first,
+    so that traced code reads nothing of `use_triton`'s."""
+    return not torch.compiler.is_compiling() and use_triton(choice, tensor)
 
 
 # ---------------------------------------------------------------------------- references
