@@ -1,6 +1,7 @@
 """One tnlg training step under torch.profiler: where its time goes on the device.
 
     python -m benchmarks.profile_step [--stage 0] [--activation-checkpointing on|off] [--fused auto|none]
+                                      [--compile on|off]
 
 Builds side_by_side's tnlg variant (tnlg-1.3b shape, bf16, sequence 2048, the same seeded weights and
 batches), runs its warm-up steps, then profiles one step and prints:
@@ -8,7 +9,9 @@ batches), runs its warm-up steps, then profiles one step and prints:
 - the step's wall time, the time some kernel was running (the union of kernel intervals) and the idle
   rest, with the kernel count: idle time is launch overhead and host work the device waits for;
 - the kernels that took the most time, grouped by name, with their share of the step;
-- the longest gaps between one kernel's end and the next one's start, with the kernels around them.
+- the longest gaps between one kernel's end and the next one's start, with the kernels around them;
+- with `--compile on` (each block compiled by inductor, as side_by_side's compiled variants), the
+  compilations the warm-up steps ran and any during the profiled step.
 
 With `OUT` set the profiler's trace goes there (`step_trace_<tag>.json.gz`, for chrome://tracing or
 Perfetto). `--smoke` runs the debug preset on the CPU (Triton under TRITON_INTERPRET=1) to check the
@@ -101,14 +104,17 @@ def report_lines(kernels: list[Kernel], wall_us: float) -> list[str]:
     return lines
 
 
-def profile_one_step(settings: Settings, stage: int, fused: str, trace: Path | None) -> list[str]:
+def profile_one_step(
+    settings: Settings, stage: int, fused: str, trace: Path | None, compiled: bool = False
+) -> list[str]:
     workload = make_workload(settings)
     if fused != "auto":  # the same weights and batches, another kernel choice
         workload = replace(workload, config=settings.config(fused_kernels=fused))
-    trainer = tnlg_trainer(workload, stage)
+    trainer = tnlg_trainer(workload, stage, compiled=compiled)
     warmup, (ids, labels) = workload.batches[:-1], workload.batches[-1]
     for warm_ids, warm_labels in warmup:
         trainer.step(warm_ids, warm_labels)
+    warm = trainer.compile_stats()  # None when eager
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if settings.cuda else [])
     synchronize(settings.device)
     with profile(activities=activities) as prof:
@@ -116,6 +122,7 @@ def profile_one_step(settings: Settings, stage: int, fused: str, trace: Path | N
         trainer.step(ids, labels)
         synchronize(settings.device)
         wall_us = (time.perf_counter() - began) * 1e6
+    stats = trainer.compile_stats()  # before close, which stops the engine's count
     trainer.close()
     if trace is not None:
         with tempfile.TemporaryDirectory() as scratch:
@@ -123,7 +130,16 @@ def profile_one_step(settings: Settings, stage: int, fused: str, trace: Path | N
             prof.export_chrome_trace(str(raw))
             with raw.open("rb") as source, gzip.open(trace, "wb") as target:
                 shutil.copyfileobj(source, target)
-    return report_lines(device_kernels(prof), wall_us)
+    lines = report_lines(device_kernels(prof), wall_us)
+    if warm is not None and stats is not None:
+        late = int(stats["compiles"] - warm["compiles"])
+        lines += [
+            "",
+            f"compilations: {int(warm['compiles'])} in the {len(warmup)} warm-up steps "
+            f"({warm['compile_seconds']:.1f} s), {late} during the profiled step"
+            + (" (its wall time includes them)" if late else ""),
+        ]
+    return lines
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -135,6 +151,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--activation-checkpointing", choices=("on", "off"), default="on")
     parser.add_argument("--fused", choices=("auto", "none"), default="auto", help="TNLGConfig.fused_kernels")
     parser.add_argument("--micro-batch", type=int, help="sequences per step (default 4; --smoke 2)")
+    parser.add_argument(
+        "--compile", choices=("on", "off"), default="off", help="each block compiled (inductor)"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.smoke:
         parser.exit(2, "profile_step needs a CUDA device (use --smoke to check the script elsewhere)\n")
@@ -148,18 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     settings = Settings.create(args.smoke, device, args.micro_batch, args.activation_checkpointing == "on")
-    tag = f"stage{args.stage}_ckpt-{args.activation_checkpointing}_fused-{args.fused}"
+    tag = f"stage{args.stage}_ckpt-{args.activation_checkpointing}_fused-{args.fused}_compile-{args.compile}"
     out = os.environ.get("OUT")
     trace = Path(out) / f"step_trace_{tag}.json.gz" if out else None
     name = torch.cuda.get_device_name(device) if cuda else "CPU"
     print(
         f"# profile_step on {name}: tnlg stage {args.stage}, {settings.preset}, micro-batch "
         f"{settings.micro_batch} x {settings.seq_len}, activation checkpointing "
-        f"{args.activation_checkpointing}, fused kernels {args.fused}",
+        f"{args.activation_checkpointing}, fused kernels {args.fused}, compile {args.compile}",
         flush=True,
     )
     with one_rank_group(device):
-        lines = profile_one_step(settings, args.stage, args.fused, trace)
+        lines = profile_one_step(settings, args.stage, args.fused, trace, compiled=args.compile == "on")
     print("\n".join(["", *lines, ""]), flush=True)
     return 0
 

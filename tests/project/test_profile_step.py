@@ -56,10 +56,11 @@ def test_smoke_run_profiles_one_step(tmp_path):
     if not torch.cuda.is_available():
         environment.setdefault("TRITON_INTERPRET", "1")
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.profile_step", "--smoke", "--stage", "3"],
+        [sys.executable, "-m", "benchmarks.profile_step", "--smoke", "--stage", "3", "--compile", "on"],
         cwd=REPO, env=environment, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "tnlg stage 3, debug, micro-batch 2 x 32" in result.stdout
-    trace = tmp_path / "step_trace_stage3_ckpt-on_fused-auto.json.gz"
+    assert "compile on" in result.stdout and "0 during the profiled step" in result.stdout
+    trace = tmp_path / "step_trace_stage3_ckpt-on_fused-auto_compile-on.json.gz"
     assert trace.stat().st_size > 0
