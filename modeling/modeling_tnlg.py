@@ -20,7 +20,6 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
@@ -40,7 +39,14 @@ from .loading import (
     write_checksums,
 )
 from .pipeline import PipelineSplit, split_pipeline
-from .transformers_compat import CACHE_NAME, accepts_legacy_cache_name, cache_kwarg, causal_mask, output_cache
+from .transformers_compat import (
+    CACHE_NAME,
+    CheckpointedLayer,
+    accepts_legacy_cache_name,
+    cache_kwarg,
+    causal_mask,
+    output_cache,
+)
 
 
 def eager_attention_forward(
@@ -185,11 +191,12 @@ class TNLGMLP(nn.Module):
         return self.dropout(self.fc_out(activated))
 
 
-class TNLGBlock(GradientCheckpointingLayer):
+class TNLGBlock(CheckpointedLayer):
     """Pre-LayerNorm residual block: x + attn(ln(x)), then x + mlp(ln(x)).
 
     The LayerNorm before each sublayer (GPT-2, Megatron) keeps the residual stream unnormalized,
-    which is what lets very deep stacks (78 and 105 layers) train stably.
+    which is what lets very deep stacks (78 and 105 layers) train stably. Under activation checkpointing
+    its forward is what is recomputed, its hooks outside ([Note: checkpointing the forward]).
     """
 
     def __init__(self, config: TNLGConfig, layer_idx: int):

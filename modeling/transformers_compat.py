@@ -1,11 +1,10 @@
 """The one place that adapts the model to the installed Transformers release.
 
 [Note: the cache's name] Transformers 5.24 renamed the key-value cache from `past_key_values` to `cache`:
-the keyword `generate()` hands the model, the field of the model outputs, the argument of
-`create_causal_mask`, and the keyword `GradientCheckpointingLayer` clears under checkpointing. The old
-name is deprecated there (removed in 5.40), while the floor release (5.17) knows only the old one. A
-model that reads one name loses the cache on the other release without an error: every decoding step
-then sees only its newest token. So:
+the keyword `generate()` hands the model, the field of the model outputs and the argument of
+`create_causal_mask`. The old name is deprecated there (removed in 5.40), while the floor release (5.17)
+knows only the old one. A model that reads one name loses the cache on the other release without an
+error: every decoding step then sees only its newest token. So:
 
 - `CACHE_NAME` is the name the installed release uses, read from `create_causal_mask`'s public
   signature (a feature, not a version number).
@@ -16,6 +15,15 @@ then sees only its newest token. So:
 
 Likewise Transformers 5.23 renamed `gradient_checkpointing_enable` to `activation_checkpointing_enable`
 (the old name warns): `enable_checkpointing` calls whichever the installed release has.
+
+[Note: checkpointing the forward] Up to 5.23 `GradientCheckpointingLayer` checkpoints the layer's
+`__call__`, so the module's hooks (the ZeRO-3 gather, FSDP2's) run again inside the recomputation; from
+5.24 it checkpoints `forward` and the hooks stay outside. `CheckpointedLayer` is the 5.24 behaviour on
+every release (feature-detected: whether the base class defines `__call__`). It matters to compiled
+blocks too: the engine compiles a block's `forward`, so with the checkpoint in `forward` Dynamo traces
+it and inductor plans the recomputation into the block's backward graph (torchtitan's order: checkpoint,
+then compile); with it in `__call__` a compiled forward runs a second time inside an eager checkpoint,
+which on an H100 gained nothing over eager (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -27,8 +35,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 from transformers.cache_utils import Cache
 from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
 logger = logging.getLogger(__name__)
@@ -88,13 +98,62 @@ def accepts_legacy_cache_name(forward: Function) -> Function:
     return wrapper  # type: ignore[return-value]
 
 
-def enable_checkpointing(model: Any, checkpoint_kwargs: dict[str, Any]) -> None:
+def enable_checkpointing(model: Any, checkpoint_kwargs: dict[str, Any], every_n_layers: int = 1) -> None:
     """Turn on a Transformers model's activation checkpointing (or a wrapper's that forwards to one, as
-    a peft model does) with `checkpoint_kwargs` for torch.utils.checkpoint, by the release's name."""
+    a peft model does) with `checkpoint_kwargs` for torch.utils.checkpoint, in every `every_n_layers`-th
+    layer, by the release's name."""
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=checkpoint_kwargs, every_n_layers=every_n_layers
+        )
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=checkpoint_kwargs, every_n_layers=every_n_layers
+        )
+
+
+# Whether the installed release checkpoints `__call__` ([Note: checkpointing the forward]).
+CHECKPOINTS_CALL = "__call__" in vars(GradientCheckpointingLayer)
+# What a checkpointed training forward must not write into: backward's recomputation would write it again.
+CACHE_KEYWORDS = (LEGACY_CACHE_NAME, "cache", "layer_past")
+
+
+class CheckpointedLayer(GradientCheckpointingLayer):
+    """`GradientCheckpointingLayer` checkpointing its `forward`, its hooks outside, on every release
+    ([Note: checkpointing the forward]). From 5.24 that is the base class itself; before, the subclass's
+    own forward is wrapped here as 5.24 wraps it, and `__call__` is `nn.Module`'s again."""
+
+    if CHECKPOINTS_CALL:
+        __call__ = nn.Module.__call__
+
+        def __init_subclass__(cls, **kwargs: Any) -> None:
+            super().__init_subclass__(**kwargs)
+            if "forward" in vars(cls):  # not a subclass that only inherits it (FSDP2's FSDP<Layer>)
+                cls.forward = _checkpointed(cls.forward)
+
+
+def _checkpointed(forward: Function) -> Function:
+    @functools.wraps(forward)
+    def checkpointed_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outermost = type(self).forward is checkpointed_forward  # a subclass's forward may wrap this one
+        if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled() and outermost):
+            return forward(self, *args, **kwargs)
+        dropped = [name for name in CACHE_KEYWORDS if kwargs.get(name) is not None]
+        dropped += ["use_cache"] if kwargs.get("use_cache") else []
+        for name in dropped:
+            kwargs[name] = False if name == "use_cache" else None
+        if dropped and not torch.compiler.is_compiling():
+            _warn_cache_dropped_once(type(self).__name__, tuple(dropped))
+        return self._gradient_checkpointing_func(functools.partial(forward, self, **kwargs), *args)
+
+    return checkpointed_forward  # type: ignore[return-value]
+
+
+@functools.cache
+def _warn_cache_dropped_once(layer: str, names: tuple[str, ...]) -> None:
+    logger.warning(
+        "Caching is incompatible with activation checkpointing in %s: %s unset", layer, ", ".join(names)
+    )
 
 
 @functools.cache
@@ -104,7 +163,9 @@ def _warn_legacy_name_once() -> None:
 
 __all__ = [
     "CACHE_NAME",
+    "CHECKPOINTS_CALL",
     "LEGACY_CACHE_NAME",
+    "CheckpointedLayer",
     "accepts_legacy_cache_name",
     "cache_kwarg",
     "causal_mask",

@@ -150,6 +150,35 @@ def test_gradient_checkpointing_gives_the_same_gradients(debug_config, monkeypat
         torch.testing.assert_close(checkpointed[name], plain[name], msg=name)
 
 
+def test_checkpointing_recomputes_the_forward_with_the_hooks_outside(debug_config, monkeypatch):
+    """On every Transformers release ([Note: checkpointing the forward]): a block's forward hooks run once
+    per training step, not again in the recomputation, and `every_n_layers` checkpoints only those blocks."""
+    model = TNLGForCausalLM(debug_config).train()
+    layers = debug_config.num_hidden_layers
+    assert layers >= 2
+    hooks = []
+    for block in model.model.layers:
+        block.register_forward_pre_hook(lambda module, args: hooks.append(module))
+    calls = []
+    mlp_forward = TNLGMLP.forward
+    monkeypatch.setattr(TNLGMLP, "forward", lambda self, x: calls.append(1) or mlp_forward(self, x))
+    input_ids = torch.randint(0, 512, (2, 16))
+
+    def step():
+        hooks.clear()
+        calls.clear()
+        model(input_ids, labels=input_ids).loss.backward()
+
+    enable_checkpointing(model, {"use_reentrant": False}, every_n_layers=2)
+    step()
+    checkpointed = [block.gradient_checkpointing for block in model.model.layers]
+    assert checkpointed == [index % 2 == 0 for index in range(layers)]
+    assert len(hooks) == layers and len(calls) == layers + sum(checkpointed)
+    enable_checkpointing(model, {"use_reentrant": False})
+    step()
+    assert len(hooks) == layers and len(calls) == 2 * layers
+
+
 def test_checkpointed_training_forward_leaves_a_cache_unwritten(debug_config):
     """Under activation checkpointing each block is handed the cache by the name Transformers clears
     ([Note: the cache's name]): were it another, backward's recomputation would write it a second time."""

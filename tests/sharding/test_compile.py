@@ -21,6 +21,7 @@ from tests.support.compile_cases import (
 from tests.support.tensor_parallel_cases import make_model as make_tnlg
 from tnlg.accelerate import compile_config_for
 from tnlg.modeling import fused_ops
+from tnlg.run.activations import enable_activation_checkpointing
 from tnlg.sharding import CompileConfig, ZeroConfig
 from tnlg.sharding.compile import CompileClock, check_compile_fits, compile_blocks
 from tnlg.tools.spawn import run_distributed
@@ -28,6 +29,18 @@ from tnlg.tools.spawn import run_distributed
 FP32 = [Layout(0), Layout(1), Layout(2), Layout(3), Layout(3, checkpointing=True)]
 MIXED = [Layout(3, precision="bf16", offload=True), Layout(2, precision="fp16")]
 GRIDS = [Layout(2, tensor=2), Layout(3, pipeline=2), Layout(1, tensor=2, checkpointing=True)]
+
+
+# A backend (CompileConfig takes a registered name) that keeps the graphs Dynamo hands it and runs them as
+# traced.
+RECORDING_BACKEND = "tnlg_tests_record_graphs"
+RECORDED_GRAPHS: list[torch.fx.GraphModule] = []
+if RECORDING_BACKEND not in torch.compiler.list_backends(exclude_tags=()):
+
+    @torch._dynamo.register_backend(name=RECORDING_BACKEND)
+    def _record_graphs(graph_module, example_inputs):
+        RECORDED_GRAPHS.append(graph_module)
+        return graph_module.forward
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +118,23 @@ def test_deep_models_compile_one_graph_for_every_block():
         model(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
     assert counters["frames"]["total"] == 1 and counters["stats"]["unique_graphs"] == 1
     assert counters["graph_break"] == {}
+
+
+def test_a_checkpointed_block_compiles_its_recomputation_into_the_graph():
+    """With activation checkpointing the checkpoint is traced into each block's compiled graph, whatever
+    Transformers release is installed ([Note: checkpointing the forward] in transformers_compat.py): the
+    backward graph recomputes the block, rather than a compiled forward running again inside an eager
+    checkpoint."""
+    model = make_tnlg().train()
+    enable_activation_checkpointing(model)
+    torch._dynamo.reset()
+    counters.clear()
+    RECORDED_GRAPHS.clear()
+    compile_blocks(model, CompileConfig(backend=RECORDING_BACKEND))
+    model(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
+    assert len(RECORDED_GRAPHS) == 1 and counters["graph_break"] == {}
+    targets = {node.target for node in RECORDED_GRAPHS[0].graph.nodes if node.op == "call_function"}
+    assert torch.ops.higher_order.tag_activation_checkpoint in targets
 
 
 def test_an_engine_without_compiling_runs_the_blocks_eager_again():

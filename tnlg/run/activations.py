@@ -5,8 +5,9 @@
         loss = engine(**batch).loss
 
 Checkpointing is the model's own (Transformers' `activation_checkpointing_enable`, each `TNLGBlock` a
-checkpointed layer, non-reentrant): the ZeRO-3 engine sees the recomputation as a block forward inside
-backward and gathers the block's parameters again for it (tnlg.sharding.params).
+checkpointed layer, non-reentrant). What is recomputed is the block's forward, its hooks outside
+([Note: checkpointing the forward] in transformers_compat.py): the ZeRO-3 engine has gathered the
+block's parameters for its backward before the recomputation reads them (tnlg.sharding.params).
 """
 
 from __future__ import annotations
