@@ -3,6 +3,7 @@
     python -m benchmarks.side_by_side              # tnlg-1.3b shape on one CUDA device; markdown tables
     python -m benchmarks.side_by_side --smoke      # the debug preset on any device (CPU: TRITON_INTERPRET=1)
     python -m benchmarks.side_by_side --compile on # also tnlg stage 0 and 3 with torch.compile'd blocks
+        [--compile-mode max-autotune-no-cudagraphs]   # inductor's mode for them (default: torch's default)
 
 Variants of one bf16 training step (micro-batch x sequence, activation checkpointing as a setting), at world
 size 1, each loaded from one seeded state dict and fed one seeded list of batches:
@@ -50,6 +51,7 @@ from tnlg.modeling.configuration_tnlg import FUSED_CHOICES
 from tnlg.run.activations import enable_activation_checkpointing
 from tnlg.run.metrics import peak_flops_per_device
 from tnlg.sharding import CompileConfig, ZeroConfig, initialize
+from tnlg.sharding.compile import COMPILE_MODES, CUDA_GRAPH_MODES
 from tnlg.sharding.kernels.fused_adam import fused_adam
 from tnlg.tools.convert.to_gpt2 import gpt2_config, tnlg_state_to_gpt2
 
@@ -69,6 +71,9 @@ ADAM_TOLERANCE = 1e-3  # one fp32 update against torch's, relative to the update
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 SEED = 0
 MISMATCH = "MISMATCH"
+# The modes the compiled variants accept: stage 3 moves its parameters between steps, which CUDA graphs'
+# recorded addresses do not allow (check_compile_fits), and every compiled variant takes the same mode.
+COMPILE_MODES_WITHOUT_CUDA_GRAPHS = tuple(mode for mode in COMPILE_MODES if mode not in CUDA_GRAPH_MODES)
 
 
 @dataclass(frozen=True)
@@ -88,23 +93,25 @@ class Settings:
     init_std: float | None = None  # None: the preset's initializer_range
     fused_kernels: str = "auto"  # TNLGConfig.fused_kernels of the tnlg variants
     compiled: bool = False  # also the tnlg variants with compiled blocks (`COMPILED_VARIANTS`)
+    compile_mode: str | None = None  # CompileConfig.mode of the compiled variants (None: torch's default)
 
     @classmethod
     def create(
         cls, smoke: bool, device: torch.device, micro_batch: int | None, checkpointing: bool,
-        fused_kernels: str = "auto", compiled: bool = False,
+        fused_kernels: str = "auto", compiled: bool = False, compile_mode: str | None = None,
     ) -> Settings:  # fmt: skip
         if not smoke:
             return cls(
-                device, smoke, micro_batch or 4, checkpointing, fused_kernels=fused_kernels, compiled=compiled
-            )
+                device, smoke, micro_batch or 4, checkpointing, fused_kernels=fused_kernels, compiled=compiled,
+                compile_mode=compile_mode,
+            )  # fmt: skip
         # The interpreter runs the Triton kernels on CPU: tiny sizes, one repeat.
         return cls(
             device, smoke, micro_batch or 2, checkpointing, preset="debug", seq_len=32, warmup_steps=1,
             timed_steps=1, matmul_size=256, repeats=1, warmup=1, adam_numel=10_000,
             # Logits as spread as tnlg-1.3b's at its init (0.02 x sqrt(2048) = 0.9): 1 / sqrt(64). At
             # 0.02 the debug model's logits are nearly flat and no loss tells one model from another.
-            init_std=0.125, fused_kernels=fused_kernels, compiled=compiled,
+            init_std=0.125, fused_kernels=fused_kernels, compiled=compiled, compile_mode=compile_mode,
         )  # fmt: skip
 
     def config(self, fused_kernels: str | None = None) -> TNLGConfig:
@@ -245,7 +252,7 @@ def tnlg_trainer(workload: Workload, stage: int, compiled: bool = False) -> Trai
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)  # the engine steps it (its fused Adam on CUDA)
     engine = initialize(
         model, optimizer, ZeroConfig(stage=stage, mixed_precision="bf16"), device=settings.device,
-        compile_config=CompileConfig(backend="inductor") if compiled else None,
+        compile_config=CompileConfig(backend="inductor", mode=settings.compile_mode) if compiled else None,
     )  # fmt: skip
 
     def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -582,10 +589,13 @@ def side_by_side_lines(
     activation_checkpointing: bool = True,
     fused_kernels: str = "auto",
     compiled: bool = False,
+    compile_mode: str | None = None,
 ) -> Iterator[str]:
     """The report's lines, each as soon as it is known; a failed check's line reads MISMATCH
     (`is_failure`). Runs at world size 1 on `device` (CPU only with `smoke`)."""
-    settings = Settings.create(smoke, device, micro_batch, activation_checkpointing, fused_kernels, compiled)
+    settings = Settings.create(
+        smoke, device, micro_batch, activation_checkpointing, fused_kernels, compiled, compile_mode
+    )
     config = settings.config()
     name = torch.cuda.get_device_name(device) if settings.cuda else "CPU"
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
@@ -598,6 +608,7 @@ def side_by_side_lines(
         f"{settings.preset}: {config.describe()}; bf16 mixed precision, micro-batch {settings.micro_batch} x "
         f"{settings.seq_len} tokens, activation checkpointing {'on' if activation_checkpointing else 'off'}, "
         f"fused kernels {fused_kernels}, compile {'on' if compiled else 'off'}"
+        + (f" (mode {compile_mode})" if compile_mode else "")
     )
     yield ""
     with one_rank_group(device):
@@ -623,7 +634,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--compile", choices=("on", "off"), default="off",
         help="also tnlg stage 0 and 3 with each block compiled (inductor), timed beside the eager ones",
     )  # fmt: skip
+    parser.add_argument(
+        "--compile-mode", choices=COMPILE_MODES_WITHOUT_CUDA_GRAPHS,
+        help="torch.compile's mode for the compiled variants (stage 3 refuses the CUDA-graph modes)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.compile_mode is not None and args.compile != "on":
+        parser.error("--compile-mode sets the mode of the compiled variants: give it with --compile on")
     if not torch.cuda.is_available() and not args.smoke:
         parser.exit(2, "side_by_side needs a CUDA device (use --smoke to check the script elsewhere)\n")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -650,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         activation_checkpointing=args.activation_checkpointing == "on",
         fused_kernels=args.fused,
         compiled=args.compile == "on",
+        compile_mode=args.compile_mode,
     )
     for line in lines:
         print(line, flush=True)

@@ -110,3 +110,29 @@ def test_gate_keeps_a_variant_on_misaligned_labels_out_of_the_timings(monkeypatc
     failures = [line for line in lines if side_by_side.is_failure(line)]
     assert len(failures) == 1 and failures[0].startswith("| misaligned labels |")
     assert not any(line.startswith("### Training step") for line in lines)
+
+
+def test_the_compile_mode_reaches_the_compiled_variants_engines(monkeypatch):
+    settings = side_by_side.Settings.create(
+        True, CPU, None, checkpointing=False, compiled=True, compile_mode="max-autotune-no-cudagraphs"
+    )
+    workload = side_by_side.make_workload(settings)
+    given = []
+    real_initialize = side_by_side.initialize
+
+    def recording_initialize(*args, compile_config=None, **kwargs):
+        given.append(compile_config)
+        return real_initialize(*args, compile_config=compile_config, **kwargs)
+
+    monkeypatch.setattr(side_by_side, "initialize", recording_initialize)
+    for name, build in side_by_side.variants(settings).items():
+        if name.startswith("tnlg stage"):
+            build(workload).close()
+    modes = [config.mode if config is not None else None for config in given]
+    assert modes == [None, None, "max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs"]
+
+
+def test_a_compile_mode_without_compiling_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        side_by_side.parse_args(["--smoke", "--compile-mode", "max-autotune-no-cudagraphs"])
+    assert "give it with --compile on" in capsys.readouterr().err
