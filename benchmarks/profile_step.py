@@ -131,7 +131,7 @@ def profile_one_step(
             with raw.open("rb") as source, gzip.open(trace, "wb") as target:
                 shutil.copyfileobj(source, target)
     lines = report_lines(device_kernels(prof), wall_us)
-    if warm is not None and stats is not None:
+    if warm is not None:  # compiled (the engine counts from its start to close)
         late = int(stats["compiles"] - warm["compiles"])
         lines += [
             "",

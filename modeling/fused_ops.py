@@ -49,7 +49,7 @@ GELU_SCALE = math.sqrt(2.0 / math.pi)
 
 # Looked up once, at import: a constant is all Dynamo reads when a kernel choice is traced. Calling
 # `importlib.util.find_spec` there (as a cached function did) is a graph break on torch 2.11: on an H100
-# each compiled block broke at its kernel choices, and compiling gained nothing with checkpointing on.
+# each compiled block broke at its kernel choices.
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 

@@ -139,9 +139,10 @@ def _checkpointed(forward: Function) -> Function:
         if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled() and outermost):
             return forward(self, *args, **kwargs)
         dropped = [name for name in CACHE_KEYWORDS if kwargs.get(name) is not None]
-        dropped += ["use_cache"] if kwargs.get("use_cache") else []
-        for name in dropped:
-            kwargs[name] = False if name == "use_cache" else None
+        kwargs.update(dict.fromkeys(dropped))
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+            dropped.append("use_cache")
         if dropped and not torch.compiler.is_compiling():
             _warn_cache_dropped_once(type(self).__name__, tuple(dropped))
         return self._gradient_checkpointing_func(functools.partial(forward, self, **kwargs), *args)
