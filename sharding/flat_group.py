@@ -112,6 +112,10 @@ class FlatGroup:
         self.unit_full: list[torch.Tensor] = []
         self.param_views: list[torch.Tensor | None] = []  # until finish(): each parameter's view
         self.placeholders: list[GradientPlaceholder] = []  # each parameter's .grad between backwards
+        # Stages 0-1: each parameter's view of `full_grad`, made once. Backward hands one to autograd per
+        # parameter twice (grads.py's hooks); making the views there cost three tensor ops each time,
+        # host time that a compiled block's backward, short of host work of its own, waits for.
+        self.grad_views: list[torch.Tensor] = []
         if self.placement.optimizer_on_host:
             self.master = self.placement.host_zeros(self.layout.shard_numel, torch.float32, transfer=False)
         else:
@@ -219,6 +223,8 @@ class FlatGroup:
         self.hide_gradients()
         if self.stage <= 1:
             self.full_grad = torch.zeros(self.layout.full_numel, dtype=self.compute_dtype, device=self.device)
+            units = [self.layout.unit_view(self.full_grad, unit) for unit in self.layout.units]
+            self.grad_views = [self.layout.param_view(units[slot.unit], slot) for slot in self.layout.slots]
         elif self.placement.optimizer_on_host:
             # fp32 on the host: micro-steps accumulate there without 16-bit rounding, as DeepSpeed's offload
             self.shard_grad = self.placement.host_zeros(
@@ -232,9 +238,7 @@ class FlatGroup:
     # ------------------------------------------------------------------ views
     def grad_view(self, index: int) -> torch.Tensor:
         """Stages 0-1: parameter `index`'s gradient, a view of the persistent full gradient buffer."""
-        slot = self.layout.slots[index]
-        unit = self.layout.units[slot.unit]
-        return self.layout.param_view(self.layout.unit_view(self.full_grad, unit), slot)
+        return self.grad_views[index]
 
     def grad_piece(self, unit: Unit) -> torch.Tensor:
         """This rank's reduced gradient piece of `unit` (what the optimizer step consumes)."""
@@ -379,6 +383,7 @@ class FlatGroup:
         for param in self.params:
             param.grad = None
         self.placeholders = []
+        self.grad_views = []
         self.full = self.shard = self.full_grad = self.shard_grad = self.master = self.host_step_grad = None
         self.unit_full = []
 

@@ -99,10 +99,6 @@ class GradientReducer:
         self.on_backward_end = on_backward_end
         self.sync = True
         self.backward_passes: set[int] = set()  # autograd runs that produced gradients since the last step
-        self._where: dict[int, tuple[FlatGroup, int]] = {}
-        for group in groups:
-            for index, param in enumerate(group.params):
-                self._where[id(param)] = (group, index)
         self._pending: dict[tuple[int, int], int] = {}
         self._reduced: set[tuple[int, int]] = set()
         self._in_flight: deque[_InFlight] = deque()
@@ -112,7 +108,9 @@ class GradientReducer:
         for g, group in enumerate(groups):
             for index, param in enumerate(group.params):
                 self._hooks.append(param.register_hook(WeakHook(self._before_accumulation, g, index)))
-                self._hooks.append(param.register_post_accumulate_grad_hook(WeakHook(self._on_gradient)))
+                self._hooks.append(
+                    param.register_post_accumulate_grad_hook(WeakHook(self._on_gradient, g, index))
+                )
         self._reset()
 
     def remove_hooks(self) -> None:
@@ -149,12 +147,12 @@ class GradientReducer:
         if is_placeholder(param.grad):
             param.grad = group.grad_view(index) if self.stage <= 1 else None
 
-    def _on_gradient(self, param: torch.Tensor) -> None:
+    def _on_gradient(self, g: int, index: int, param: torch.Tensor) -> None:
         self.backward_passes.add(torch._C._current_graph_task_id())
         if not self._backward_active:
             self._backward_active = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        group, index = self._where[id(param)]
+        group = self.groups[g]
         if self.stage <= 1:
             view = group.grad_view(index)
             if param.grad.data_ptr() != view.data_ptr():  # the gradient was set to None since: take it back
@@ -162,7 +160,6 @@ class GradientReducer:
                 param.grad = view
         if not self.reducing:
             return
-        g = self.groups.index(group)
         unit = group.layout.slots[index].unit
         key = (g, unit)
         self._pending[key] -= 1
