@@ -10,6 +10,9 @@ batches), runs its warm-up steps, then profiles one step and prints:
   rest, with the kernel count: idle time is launch overhead and host work the device waits for;
 - the kernels that took the most time, grouped by name, with their share of the step;
 - the longest gaps between one kernel's end and the next one's start, with the kernels around them;
+- how much of the device's idle time it spent waiting for the host: gaps whose next kernel was launched
+  only after everything queued before it had finished (the host, not the device, set the pace there;
+  the profiler's own host overhead lengthens them, so read them beside the unprofiled step time);
 - with `--compile on` (each block compiled by inductor, as side_by_side's compiled variants), the
   compilations the warm-up steps ran and any during the profiled step.
 
@@ -23,12 +26,14 @@ from __future__ import annotations
 import argparse
 import gzip
 import itertools
+import json
 import os
 import shutil
 import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,6 +45,10 @@ from benchmarks.side_by_side import Settings, make_workload, one_rank_group, syn
 TOP_KERNELS = 15
 TOP_GAPS = 5
 NAME_WIDTH = 90  # kernel names (C++ templates) are cut to this many characters
+# Categories of the profiler's trace events (Kineto's chrome trace): work on the device, and the host's
+# calls that launched it, paired by the `correlation` argument both carry.
+DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,50 @@ def busy_microseconds(kernels: list[Kernel]) -> float:
             busy += kernel.end_us - start
         reach = max(reach, kernel.end_us)
     return busy
+
+
+@dataclass(frozen=True)
+class HostWait:
+    idle_us: float  # between the first device activity's start and the last one's end
+    waiting_us: float  # the part of it in gaps the host caused
+    gaps: int  # how many such gaps
+
+
+def host_wait(trace_events: Iterable[Mapping]) -> HostWait:
+    """From the profiler's trace events: the device's idle time, and the part of it in gaps before an
+    activity whose launch call began only once the device had finished everything before it (so the
+    device had nothing to run until the host got there). A gap whose next activity was launched earlier
+    is the device's own (launch latency, a wait on another stream) and is not counted as the host's."""
+    events = list(trace_events)
+    launched = {
+        event["args"]["correlation"]: event["ts"]
+        for event in events
+        if event.get("cat") in LAUNCH_CATEGORIES and "correlation" in event.get("args", {})
+    }
+    activities = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES), key=lambda e: e["ts"])
+    idle = waiting = 0.0
+    gaps = 0
+    reach: float | None = None  # the latest end so far: the device is busy until then
+    for activity in activities:
+        start = activity["ts"]
+        if reach is not None and start > reach:
+            idle += start - reach
+            launch = launched.get(activity.get("args", {}).get("correlation"))
+            if launch is not None and launch >= reach:
+                waiting += start - reach
+                gaps += 1
+        end = start + activity.get("dur", 0)
+        reach = end if reach is None else max(reach, end)
+    return HostWait(idle, waiting, gaps)
+
+
+def host_wait_line(wait: HostWait) -> str:
+    share = 100 * wait.waiting_us / wait.idle_us if wait.idle_us else 0.0
+    return (
+        f"device idle between its first and last kernel {wait.idle_us / 1e3:.1f} ms, of which "
+        f"{wait.waiting_us / 1e3:.1f} ms ({share:.0f}%) waiting for the host to launch the next kernel "
+        f"({wait.gaps} gaps)"
+    )
 
 
 def short(name: str) -> str:
@@ -124,13 +177,17 @@ def profile_one_step(
         wall_us = (time.perf_counter() - began) * 1e6
     stats = trainer.compile_stats()  # before close, which stops the engine's count
     trainer.close()
-    if trace is not None:
-        with tempfile.TemporaryDirectory() as scratch:
-            raw = Path(scratch) / "trace.json"
-            prof.export_chrome_trace(str(raw))
+    kernels = device_kernels(prof)
+    with tempfile.TemporaryDirectory() as scratch:
+        raw = Path(scratch) / "trace.json"
+        prof.export_chrome_trace(str(raw))  # the launch calls' correlation with kernels is there
+        wait = host_wait(json.loads(raw.read_text())["traceEvents"])  # read on the CPU too: --smoke checks it
+        if trace is not None:
             with raw.open("rb") as source, gzip.open(trace, "wb") as target:
                 shutil.copyfileobj(source, target)
-    lines = report_lines(device_kernels(prof), wall_us)
+    lines = report_lines(kernels, wall_us)
+    if kernels:
+        lines += ["", host_wait_line(wait)]
     if warm is not None:  # compiled (the engine counts from its start to close)
         late = int(stats["compiles"] - warm["compiles"])
         lines += [

@@ -1,5 +1,6 @@
 """benchmarks/profile_step.py: the step report's arithmetic (busy time as a union of kernel intervals,
-kernels ranked by total time, the longest gaps) and the --smoke run end to end."""
+kernels ranked by total time, the longest gaps, the idle time the host caused) and the --smoke run end
+to end."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import pytest
 import torch
 
 from benchmarks import side_by_side
-from benchmarks.profile_step import Kernel, busy_microseconds, report_lines
+from benchmarks.profile_step import (
+    HostWait,
+    Kernel,
+    busy_microseconds,
+    host_wait,
+    host_wait_line,
+    report_lines,
+)
 from tests.support import REPO
 from tnlg.modeling import fused_ops
 
@@ -35,6 +43,31 @@ def test_report_ranks_kernels_by_total_time_and_gaps_by_length():
     gaps = lines[lines.index("| gap ms | after | before |") + 2 :]
     assert gaps[0] == "| 1.00 | norm | gemm |"  # the longest: 460 -> 1460
     assert gaps[1] == "| 0.05 | gemm | norm |"
+
+
+def activity(correlation: int, start: float, end: float, category: str = "kernel") -> dict:
+    return {"cat": category, "ts": start, "dur": end - start, "args": {"correlation": correlation}}
+
+
+def launch(correlation: int, at: float, category: str = "cuda_runtime") -> dict:
+    return {"cat": category, "ts": at, "dur": 1.0, "args": {"correlation": correlation}}
+
+
+def test_host_wait_counts_the_gaps_whose_kernel_was_launched_after_the_device_ran_dry():
+    events = [
+        launch(1, 0), activity(1, 2, 10),
+        launch(2, 4), activity(2, 12, 20),  # queued while 1 ran: a gap of 2, the device's own
+        launch(3, 25, "cuda_driver"), activity(3, 30, 40),  # launched after 2 ended: 10 waiting for the host
+        launch(4, 26), activity(4, 35, 45, "gpu_memset"),  # overlaps 3 (another stream): no gap
+        launch(5, 44), activity(5, 50, 51, "gpu_memcpy"),  # launched before 4 ended: the device's own
+        {"cat": "cpu_op", "ts": 60, "dur": 5, "args": {}},  # host work: not the device's
+        activity(6, 70, 71),  # no launch call recorded: not attributed to the host
+    ]  # fmt: skip
+    assert host_wait(events) == HostWait(idle_us=2 + 10 + 5 + 19, waiting_us=10, gaps=1)
+    assert host_wait_line(HostWait(2000.0, 1500.0, 3)) == (
+        "device idle between its first and last kernel 2.0 ms, of which 1.5 ms (75%) waiting for the host "
+        "to launch the next kernel (3 gaps)"
+    )
 
 
 def test_report_says_when_there_is_nothing_to_attribute():
