@@ -3,6 +3,7 @@ variant is built with, and the gate that keeps a variant computing something els
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -130,6 +131,24 @@ def test_the_compile_mode_reaches_the_compiled_variants_engines(monkeypatch):
             build(workload).close()
     modes = [config.mode if config is not None else None for config in given]
     assert modes == [None, None, "max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs"]
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_a_cuda_graph_mode_leaves_stage_3_out_and_says_why(mode):
+    settings = side_by_side.Settings.create(
+        True, CPU, None, checkpointing=False, compiled=True, compile_mode=mode
+    )
+    compiled = [name for name in side_by_side.variants(settings) if name.endswith(" compiled")]
+    assert compiled == ["tnlg stage 0 compiled"]  # the engine refuses CUDA graphs at stage 3 only
+    lines = side_by_side.side_by_side_lines(
+        True, CPU, activation_checkpointing=False, compiled=True, compile_mode=mode
+    )
+    header = list(itertools.islice(lines, 8))  # the settings, before any variant is built
+    lines.close()
+    assert any(
+        line.startswith(f"tnlg stage 3 compiled is left out: compile mode {mode!r} replays CUDA graphs")
+        for line in header
+    ), header
 
 
 def test_a_compile_mode_without_compiling_is_refused(capsys):
