@@ -406,12 +406,13 @@ class TNLGModel(TNLGPreTrainedModel):
             cache = DynamicCache(config=self.config)
         past_length = cache.get_seq_length() if cache is not None else 0
         self._check_lengths(attention_mask, past_length, length)
+        given_positions = position_ids  # the caller's own may lay several sequences in a row
         if position_ids is None:
             position_ids = self._default_position_ids(
                 attention_mask, past_length, length, inputs_embeds.device
             )
 
-        mask = causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
+        mask = causal_mask(self.config, inputs_embeds, attention_mask, cache, given_positions)
 
         hidden_states = self.embed_dropout(inputs_embeds + self.embed_positions(position_ids))  # (B, T, H)
         for block in self.layers:

@@ -131,6 +131,7 @@ class TNLGPipelineStage(nn.Module):
         model = self.causal_lm.model
         config = model.config
         length = inputs.shape[1]
+        given_positions = position_ids  # the caller's own may lay several sequences in a row
         if position_ids is None:
             position_ids = torch.arange(length, device=inputs.device).unsqueeze(0)  # (1, T)
         if self.is_first:
@@ -138,7 +139,7 @@ class TNLGPipelineStage(nn.Module):
             hidden = model.embed_dropout(hidden)  # (B, T, H)
         else:
             hidden = inputs
-        mask = causal_mask(config, hidden, attention_mask=None, cache=None, position_ids=position_ids)
+        mask = causal_mask(config, hidden, attention_mask=None, cache=None, position_ids=given_positions)
         for index in self.layers:
             hidden = model.layers[index](hidden, attention_mask=mask, position_ids=position_ids)
         if self.is_last:

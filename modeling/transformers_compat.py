@@ -66,7 +66,13 @@ def causal_mask(
     cache: Cache | None,
     position_ids: torch.Tensor | None,
 ) -> Any:
-    """`create_causal_mask` with the cache under the installed release's name."""
+    """`create_causal_mask` with the cache under the installed release's name.
+
+    `position_ids` are the caller's own, or None where the model counted them (0, 1, ... in every
+    row). Given positions, with no mask and no cache (training), Transformers looks for several
+    sequences packed in a row, where a position starts again from 0, and reading the answer back from
+    the device waits for it once per forward; counted positions hold one sequence a row, so there is
+    nothing to find and no wait."""
     return create_causal_mask(
         config=config,
         inputs_embeds=inputs_embeds,

@@ -250,3 +250,24 @@ def test_labels_with_logits_to_keep_are_refused(debug_model):
     input_ids = torch.randint(0, 512, (1, 5))
     with pytest.raises(ValueError, match="logits_to_keep"):
         debug_model(input_ids, labels=input_ids, logits_to_keep=1)
+
+
+def test_only_the_callers_positions_are_searched_for_packed_sequences(debug_model, monkeypatch):
+    """Transformers finds sequences packed in a row by reading a value back from the device, a wait
+    per forward; positions the model counts itself (0, 1, ...) hold one sequence, so it is not asked."""
+    import transformers.masking_utils as masking
+
+    searched = []
+    search = masking.find_packed_sequence_indices
+    monkeypatch.setattr(
+        masking,
+        "find_packed_sequence_indices",
+        lambda positions: searched.append(positions) or search(positions),
+    )
+    ids = torch.randint(0, debug_model.config.vocab_size, (2, 12))
+    counted = debug_model(input_ids=ids, labels=ids)
+    assert searched == []
+    positions = torch.arange(12).unsqueeze(0)
+    given = debug_model(input_ids=ids, labels=ids, position_ids=positions)
+    assert len(searched) == 1  # the caller's positions may pack several sequences: still searched
+    torch.testing.assert_close(given.logits, counted.logits, rtol=0, atol=0)
