@@ -90,7 +90,9 @@ def host_wait(trace_events: Iterable[Mapping]) -> HostWait:
     """From the profiler's trace events: the device's idle time, and the part of it in gaps before an
     activity whose launch call began only once the device had finished everything before it (so the
     device had nothing to run until the host got there). A gap whose next activity was launched earlier
-    is the device's own (launch latency, a wait on another stream) and is not counted as the host's."""
+    is the device's own (launch latency, a wait on another stream) and is not counted as the host's, nor
+    is one whose launch call began just before the device ran dry and ended after: a lower bound.
+    Kernels here include the device's copies and memsets."""
     events = list(trace_events)
     launched = {
         event["args"]["correlation"]: event["ts"]
@@ -117,7 +119,7 @@ def host_wait(trace_events: Iterable[Mapping]) -> HostWait:
 def host_wait_line(wait: HostWait) -> str:
     share = 100 * wait.waiting_us / wait.idle_us if wait.idle_us else 0.0
     return (
-        f"device idle between its first and last kernel {wait.idle_us / 1e3:.1f} ms, of which "
+        f"device idle between its first and last kernel {wait.idle_us / 1e3:.1f} ms, of which at least "
         f"{wait.waiting_us / 1e3:.1f} ms ({share:.0f}%) waiting for the host to launch the next kernel "
         f"({wait.gaps} gaps)"
     )
@@ -181,7 +183,8 @@ def profile_one_step(
     with tempfile.TemporaryDirectory() as scratch:
         raw = Path(scratch) / "trace.json"
         prof.export_chrome_trace(str(raw))  # the launch calls' correlation with kernels is there
-        wait = host_wait(json.loads(raw.read_text())["traceEvents"])  # read on the CPU too: --smoke checks it
+        # Parsed on the CPU too, so --smoke runs the parsing (its trace has no device work to count).
+        wait = host_wait(json.loads(raw.read_text())["traceEvents"])
         if trace is not None:
             with raw.open("rb") as source, gzip.open(trace, "wb") as target:
                 shutil.copyfileobj(source, target)

@@ -244,14 +244,18 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> t
     return loss.detach()
 
 
+def tnlg_configs(settings: Settings, stage: int, compiled: bool) -> tuple[ZeroConfig, CompileConfig | None]:
+    """What a tnlg variant's engine is built with (its compile setting None when eager)."""
+    compile_config = CompileConfig(backend="inductor", mode=settings.compile_mode) if compiled else None
+    return ZeroConfig(stage=stage, mixed_precision="bf16"), compile_config
+
+
 def tnlg_trainer(workload: Workload, stage: int, compiled: bool = False) -> Trainer:
     settings = workload.settings
     model = tnlg_model(workload.config, workload.state, settings.device, settings.activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)  # the engine steps it (its fused Adam on CUDA)
-    engine = initialize(
-        model, optimizer, ZeroConfig(stage=stage, mixed_precision="bf16"), device=settings.device,
-        compile_config=CompileConfig(backend="inductor", mode=settings.compile_mode) if compiled else None,
-    )  # fmt: skip
+    zero_config, compile_config = tnlg_configs(settings, stage, compiled)
+    engine = initialize(model, optimizer, zero_config, device=settings.device, compile_config=compile_config)
 
     def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = engine(input_ids=ids, labels=labels).loss
@@ -299,8 +303,9 @@ COMPILED_STAGES = (0, 3)
 
 def compile_refusal(settings: Settings, stage: int) -> str | None:
     """Why the engine refuses this run's compile mode at `stage` (stage 3 and the CUDA-graph modes), or None."""
+    zero_config, compile_config = tnlg_configs(settings, stage, compiled=True)
     try:
-        check_compile_fits(CompileConfig(mode=settings.compile_mode), ZeroConfig(stage=stage))
+        check_compile_fits(compile_config, zero_config)
     except ValueError as refusal:
         return str(refusal)
     return None

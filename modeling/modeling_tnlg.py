@@ -406,7 +406,7 @@ class TNLGModel(TNLGPreTrainedModel):
             cache = DynamicCache(config=self.config)
         past_length = cache.get_seq_length() if cache is not None else 0
         self._check_lengths(attention_mask, past_length, length)
-        given_positions = position_ids  # the caller's own may lay several sequences in a row
+        given_positions = position_ids  # for the mask: see causal_mask
         if position_ids is None:
             position_ids = self._default_position_ids(
                 attention_mask, past_length, length, inputs_embeds.device

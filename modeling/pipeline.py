@@ -131,7 +131,7 @@ class TNLGPipelineStage(nn.Module):
         model = self.causal_lm.model
         config = model.config
         length = inputs.shape[1]
-        given_positions = position_ids  # the caller's own may lay several sequences in a row
+        given_positions = position_ids  # for the mask: see causal_mask
         if position_ids is None:
             position_ids = torch.arange(length, device=inputs.device).unsqueeze(0)  # (1, T)
         if self.is_first:

@@ -112,9 +112,9 @@ class FlatGroup:
         self.unit_full: list[torch.Tensor] = []
         self.param_views: list[torch.Tensor | None] = []  # until finish(): each parameter's view
         self.placeholders: list[GradientPlaceholder] = []  # each parameter's .grad between backwards
-        # Stages 0-1: each parameter's view of `full_grad`, made once. Backward hands one to autograd per
-        # parameter twice (grads.py's hooks); making the views there cost three tensor ops each time,
-        # host time that a compiled block's backward, short of host work of its own, waits for.
+        # Stages 0-1: each parameter's view of `full_grad`, made once. Both of backward's hooks on each
+        # parameter read it (grads.py); making the view in each cost three tensor ops a time, host time a
+        # step waits for wherever the host, not the device, sets the pace.
         self.grad_views: list[torch.Tensor] = []
         if self.placement.optimizer_on_host:
             self.master = self.placement.host_zeros(self.layout.shard_numel, torch.float32, transfer=False)

@@ -113,3 +113,24 @@ def test_splitting_twice_or_a_model_without_layers_is_refused():
         split_pipeline(model, [0], 2)
     with pytest.raises(ValueError, match="needs a TNLGForCausalLM, got Linear"):
         split_pipeline(torch.nn.Linear(2, 2), [0], 2)
+
+
+def test_a_stage_searches_only_the_callers_positions_for_packed_sequences(monkeypatch):
+    """As the whole model (test_modeling.py): the positions a stage counts itself hold one sequence a
+    row, so Transformers' search for packed ones, which reads a value back from the device, is skipped."""
+    import transformers.masking_utils as masking
+
+    searched = []
+    search = masking.find_packed_sequence_indices
+    monkeypatch.setattr(
+        masking,
+        "find_packed_sequence_indices",
+        lambda positions: searched.append(positions) or search(positions),
+    )
+    stage = split_pipeline(make_model(num_hidden_layers=2), [0], 2).stages[0]
+    ids, _ = batch()
+    counted = stage(ids)
+    assert searched == []
+    given = stage(ids, position_ids=torch.arange(ids.shape[1]).unsqueeze(0))
+    assert len(searched) == 1
+    torch.testing.assert_close(given, counted, rtol=0, atol=0)
