@@ -406,7 +406,9 @@ class TNLGModel(TNLGPreTrainedModel):
             cache = DynamicCache(config=self.config)
         past_length = cache.get_seq_length() if cache is not None else 0
         self._check_lengths(attention_mask, past_length, length)
-        given_positions = position_ids  # for the mask: see causal_mask
+        # Only the caller's positions go on to the mask and the attention kernels, which search them for
+        # sequences packed in a row (see causal_mask): the model's own count holds one a row.
+        given_positions = position_ids
         if position_ids is None:
             position_ids = self._default_position_ids(
                 attention_mask, past_length, length, inputs_embeds.device
@@ -418,7 +420,11 @@ class TNLGModel(TNLGPreTrainedModel):
         for block in self.layers:
             # The cache under the release's name: GradientCheckpointingLayer drops it by that name.
             hidden_states = block(
-                hidden_states, attention_mask=mask, position_ids=position_ids, **cache_kwarg(cache), **kwargs
+                hidden_states,
+                attention_mask=mask,
+                position_ids=given_positions,
+                **cache_kwarg(cache),
+                **kwargs,
             )
         hidden_states = self.final_layernorm(hidden_states)
         return BaseModelOutputWithPast(

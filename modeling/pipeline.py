@@ -131,7 +131,7 @@ class TNLGPipelineStage(nn.Module):
         model = self.causal_lm.model
         config = model.config
         length = inputs.shape[1]
-        given_positions = position_ids  # for the mask: see causal_mask
+        given_positions = position_ids  # on to the mask and the blocks, as TNLGModel's forward does
         if position_ids is None:
             position_ids = torch.arange(length, device=inputs.device).unsqueeze(0)  # (1, T)
         if self.is_first:
@@ -141,7 +141,7 @@ class TNLGPipelineStage(nn.Module):
             hidden = inputs
         mask = causal_mask(config, hidden, attention_mask=None, cache=None, position_ids=given_positions)
         for index in self.layers:
-            hidden = model.layers[index](hidden, attention_mask=mask, position_ids=position_ids)
+            hidden = model.layers[index](hidden, attention_mask=mask, position_ids=given_positions)
         if self.is_last:
             hidden = model.final_layernorm(hidden)
         return hidden

@@ -72,7 +72,8 @@ def causal_mask(
     row). Given positions, with no mask and no cache (training), Transformers looks for several
     sequences packed in a row, where a position starts again from 0, and reading the answer back from
     the device waits for it once per forward; counted positions hold one sequence a row, so there is
-    nothing to find and no wait."""
+    nothing to find and no wait. (Flash attention searches the positions a block is given the same way,
+    in every layer at batch 1: the blocks get the caller's positions only, too.)"""
     return create_causal_mask(
         config=config,
         inputs_embeds=inputs_embeds,

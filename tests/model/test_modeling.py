@@ -253,8 +253,9 @@ def test_labels_with_logits_to_keep_are_refused(debug_model):
 
 
 def test_only_the_callers_positions_are_searched_for_packed_sequences(debug_model, monkeypatch):
-    """Transformers finds sequences packed in a row by reading a value back from the device, a wait
-    per forward; positions the model counts itself (0, 1, ...) hold one sequence, so it is not asked."""
+    """Transformers finds sequences packed in a row by reading a value back from the device: the mask
+    once per forward, flash attention in every layer. Positions the model counts itself (0, 1, ...) hold
+    one sequence a row, so neither is handed them."""
     import transformers.masking_utils as masking
 
     searched = []
@@ -264,10 +265,15 @@ def test_only_the_callers_positions_are_searched_for_packed_sequences(debug_mode
         "find_packed_sequence_indices",
         lambda positions: searched.append(positions) or search(positions),
     )
+    blocks_given = []
+    debug_model.model.layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: blocks_given.append(kwargs.get("position_ids")), with_kwargs=True
+    )
     ids = torch.randint(0, debug_model.config.vocab_size, (2, 12))
     counted = debug_model(input_ids=ids, labels=ids)
-    assert searched == []
+    assert searched == [] and blocks_given == [None]
     positions = torch.arange(12).unsqueeze(0)
     given = debug_model(input_ids=ids, labels=ids, position_ids=positions)
     assert len(searched) == 1  # the caller's positions may pack several sequences: still searched
+    assert blocks_given[1] is positions
     torch.testing.assert_close(given.logits, counted.logits, rtol=0, atol=0)
