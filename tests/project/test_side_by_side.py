@@ -152,6 +152,19 @@ def test_a_cuda_graph_mode_leaves_stage_3_out_and_says_why(mode):
     assert header[-1].startswith(refusal), header
 
 
+@pytest.mark.parametrize(("mode", "resets"), [("reduce-overhead", 1), ("max-autotune-no-cudagraphs", 0)])
+def test_a_cuda_graph_slot_starts_without_an_earlier_slots_graphs(monkeypatch, mode, resets):
+    settings = side_by_side.Settings.create(
+        True, CPU, None, checkpointing=False, compiled=True, compile_mode=mode
+    )
+    workload = side_by_side.make_workload(settings)
+    calls = []
+    monkeypatch.setattr(torch.compiler, "reset", lambda: calls.append("reset"))
+    side_by_side.tnlg_trainer(workload, stage=0, compiled=True).close()
+    side_by_side.tnlg_trainer(workload, stage=0).close()  # eager: nothing to reset
+    assert len(calls) == resets
+
+
 def test_the_compiled_ratio_names_only_the_stages_that_ran():
     settings = side_by_side.Settings.create(
         True, CPU, None, checkpointing=False, compiled=True, compile_mode="reduce-overhead"
