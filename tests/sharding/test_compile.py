@@ -17,6 +17,7 @@ from tests.support.compile_cases import (
     eager_and_compiled,
     fresh_compile_counts,
     layouts,
+    vocab_parallel_loss,
 )
 from tests.support.tensor_parallel_cases import make_model as make_tnlg
 from tnlg.accelerate import compile_config_for
@@ -105,6 +106,15 @@ def test_compiled_equals_eager_under_tensor_and_pipeline_cuts(four_ranks, layout
             [f"model.layers.{rank // 2}"] if layout.pipeline == 2 else ["model.layers.0", "model.layers.1"]
         )
         assert_compiled_once(results[layout.name]["compiled"], blocks)
+
+
+@pytest.mark.slow
+def test_the_vocab_parallel_loss_compiles_whole_and_equals_eager():
+    """The head under tensor slicing is left eager (benchmarks/compile_head.py measures whether compiling
+    it pays), but compiled it must trace whole, its all-reduces included, and compute the same."""
+    for rank in run_distributed(vocab_parallel_loss, 2, timeout=180):
+        for key in ("loss", "hidden", "head"):
+            torch.testing.assert_close(rank["compiled"][key], rank["eager"][key], rtol=1e-6, atol=1e-7)
 
 
 def test_deep_models_compile_one_graph_for_every_block():

@@ -161,3 +161,37 @@ def compiled_debug_run(rank: int, world_size: int, cache: str, output: str, over
     run.engine.close()
     cache_dir = Path(output) / "compile_cache"
     return {"steps": steps, "cached_files": sum(1 for p in cache_dir.rglob("*") if p.is_file())}
+
+
+def vocab_parallel_loss(rank: int, world_size: int) -> dict:
+    """The loss of a head cut over the tensor group, eager and compiled whole (`fullgraph`: the
+    all-reduces inside it traced, no graph break): the loss and the gradients of the hidden state and of
+    this rank's rows of the head."""
+    from tnlg.modeling.tensor_parallel import apply_tensor_parallel, vocab_parallel_causal_lm_loss
+
+    model = make_tnlg()
+    apply_tensor_parallel(model, torch.distributed.group.WORLD)
+    generator = torch.Generator().manual_seed(0)  # the same input on every tensor rank
+    hidden = torch.randn(2, 8, model.config.hidden_size, generator=generator)
+    labels = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator)
+    labels[0, 3] = -100  # an ignored token
+
+    def loss(hidden_states: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_causal_lm_loss(model.lm_head, hidden_states, labels)
+
+    torch._dynamo.reset()
+    results = {}
+    for name, function in (
+        ("eager", loss),
+        ("compiled", torch.compile(loss, backend="aot_eager", fullgraph=True)),
+    ):
+        leaf = hidden.clone().requires_grad_()
+        value = function(leaf)
+        value.backward()
+        results[name] = {
+            "loss": value.detach(),
+            "hidden": leaf.grad,
+            "head": model.lm_head.weight.grad.clone(),
+        }
+        model.lm_head.weight.grad = None
+    return results
