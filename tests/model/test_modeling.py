@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
 
+from tests.support.positions import watch_positions
 from tnlg import TNLGConfig, TNLGForCausalLM, TNLGModel
 from tnlg.modeling.modeling_tnlg import TNLGMLP
 from tnlg.modeling.transformers_compat import enable_checkpointing, output_cache
@@ -256,24 +257,12 @@ def test_only_the_callers_positions_are_searched_for_packed_sequences(debug_mode
     """Transformers finds sequences packed in a row by reading a value back from the device: the mask
     once per forward, flash attention in every layer. Positions the model counts itself (0, 1, ...) hold
     one sequence a row, so neither is handed them."""
-    import transformers.masking_utils as masking
-
-    searched = []
-    search = masking.find_packed_sequence_indices
-    monkeypatch.setattr(
-        masking,
-        "find_packed_sequence_indices",
-        lambda positions: searched.append(positions) or search(positions),
-    )
-    blocks_given = []
-    debug_model.model.layers[0].register_forward_pre_hook(
-        lambda module, args, kwargs: blocks_given.append(kwargs.get("position_ids")), with_kwargs=True
-    )
+    seen = watch_positions(monkeypatch, debug_model.model.layers[0])
     ids = torch.randint(0, debug_model.config.vocab_size, (2, 12))
     counted = debug_model(input_ids=ids, labels=ids)
-    assert searched == [] and blocks_given == [None]
+    assert seen.searched == [] and seen.block_given == [None]
     positions = torch.arange(12).unsqueeze(0)
     given = debug_model(input_ids=ids, labels=ids, position_ids=positions)
-    assert len(searched) == 1  # the caller's positions may pack several sequences: still searched
-    assert blocks_given[1] is positions
+    assert len(seen.searched) == 1  # the caller's positions may pack several sequences: still searched
+    assert seen.block_given[1] is positions
     torch.testing.assert_close(given.logits, counted.logits, rtol=0, atol=0)

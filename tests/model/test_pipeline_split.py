@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from tests.support.positions import watch_positions
 from tests.support.tensor_parallel_cases import batch, make_model
 from tnlg.modeling.pipeline import DroppedModule, split_pipeline, stage_layers
 from tnlg.sharding.parallel import rank_stages
@@ -118,25 +119,13 @@ def test_splitting_twice_or_a_model_without_layers_is_refused():
 def test_a_stage_searches_only_the_callers_positions_for_packed_sequences(monkeypatch):
     """As the whole model (test_modeling.py): the positions a stage counts itself hold one sequence a
     row, so neither the mask nor the blocks are handed them to search for packed ones."""
-    import transformers.masking_utils as masking
-
-    searched = []
-    search = masking.find_packed_sequence_indices
-    monkeypatch.setattr(
-        masking,
-        "find_packed_sequence_indices",
-        lambda positions: searched.append(positions) or search(positions),
-    )
     model = make_model(num_hidden_layers=2)
-    blocks_given = []
-    model.model.layers[0].register_forward_pre_hook(
-        lambda module, args, kwargs: blocks_given.append(kwargs.get("position_ids")), with_kwargs=True
-    )
+    seen = watch_positions(monkeypatch, model.model.layers[0])
     stage = split_pipeline(model, [0], 2).stages[0]
     ids, _ = batch()
     counted = stage(ids)
-    assert searched == [] and blocks_given == [None]
+    assert seen.searched == [] and seen.block_given == [None]
     positions = torch.arange(ids.shape[1]).unsqueeze(0)
     given = stage(ids, position_ids=positions)
-    assert len(searched) == 1 and blocks_given[1] is positions
+    assert len(seen.searched) == 1 and seen.block_given[1] is positions
     torch.testing.assert_close(given, counted, rtol=0, atol=0)
