@@ -68,6 +68,13 @@ def median_time(step, repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def rotated(names: list[str], round_: int) -> list[str]:
+    """Round `round_`'s order of `names`: shifted by one each round, so that no variant always follows
+    the same one (warm caches, a predecessor's dirty lines still being written back)."""
+    shift = round_ % len(names)
+    return names[shift:] + names[:shift]
+
+
 def interleaved_medians(
     steps: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 2
 ) -> dict[str, float]:
@@ -84,8 +91,7 @@ def interleaved_medians(
             steps[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(repeats):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(names, round_):
             start = time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - start)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.common import rotated
 from benchmarks.side_by_side import one_rank_group
 from tnlg import TNLGConfig, TNLGForCausalLM
 from tnlg.sharding import ZeroConfig, initialize
@@ -116,8 +117,7 @@ def measure(built: dict[str, Variant], rounds: int) -> dict[str, dict[str, float
         run_steps(built[name], WARMUP_STEPS)  # compiles the compiled variants' graphs
     samples = {name: {phase: [] for phase in PHASES} for name in names}
     for round_ in range(rounds):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(names, round_):
             for phase, seconds in run_steps(built[name], STEPS_PER_ROUND).items():
                 samples[name][phase].extend(seconds)
     return {
