@@ -65,6 +65,9 @@ def lora_model(architecture: TNLGConfig, init_from: str | None, section: Any, se
         raise ValueError(
             f"lora.target_modules {unknown} are not Linear layers of the model; it has {sorted(names)}"
         )
+    # peft draws the adapters' A matrices from the global generator: seeded here, and not only when the
+    # base is initialized rather than loaded, every rank and every rerun starts from the same adapters
+    torch.manual_seed(seed)
     wrapped = peft.get_peft_model(model, lora_config(section))
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     total = sum(p.numel() for p in wrapped.parameters())
