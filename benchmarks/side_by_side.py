@@ -52,7 +52,7 @@ from tnlg.modeling.configuration_tnlg import FUSED_CHOICES
 from tnlg.run.activations import enable_activation_checkpointing
 from tnlg.run.metrics import peak_flops_per_device
 from tnlg.sharding import CompileConfig, ZeroConfig, initialize
-from tnlg.sharding.compile import COMPILE_MODES, CUDA_GRAPH_MODES, check_compile_fits
+from tnlg.sharding.compile import COMPILE_MODES, check_compile_fits
 from tnlg.sharding.kernels.fused_adam import fused_adam
 from tnlg.tools.convert.to_gpt2 import gpt2_config, tnlg_state_to_gpt2
 
@@ -255,7 +255,7 @@ def tnlg_trainer(workload: Workload, stage: int, compiled: bool = False) -> Trai
     model = tnlg_model(workload.config, workload.state, settings.device, settings.activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)  # the engine steps it (its fused Adam on CUDA)
     zero_config, compile_config = tnlg_configs(settings, stage, compiled)
-    if compiled and settings.compile_mode in CUDA_GRAPH_MODES:
+    if compile_config is not None and compile_config.uses_cuda_graphs:
         # The CUDA graphs an earlier slot recorded hold its parameters as static inputs: each slot starts
         # with none (and compiles again, from inductor's warm cache), as a run of its own would.
         torch.compiler.reset()

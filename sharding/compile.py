@@ -22,13 +22,14 @@ Why one graph serves every block and every step:
 A new graph is compiled when something a guard reads changes: training against evaluation
 (dropout), gradients on against off, a new sequence length (`dynamic` decides how that is handled).
 
-CUDA graphs (`mode="reduce-overhead"` or `"max-autotune"`) replay into the addresses they were
-recorded with; stage 3 (offloaded or not) moves parameters between steps, so those modes are
-refused there (`check_compile_fits`).
+CUDA graphs (inductor's `mode="reduce-overhead"` or `"max-autotune"`, or its option `triton.cudagraphs`;
+Dynamo's `cudagraphs` backend) replay into the addresses they were recorded with; stage 3 (offloaded or
+not) moves parameters between steps, so they are refused there (`check_compile_fits`).
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import time
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch._inductor  # list_mode_options and list_options, which `import torch` alone may not load
 from torch import nn
 
 from .config import ZeroConfig
@@ -43,9 +45,14 @@ from .plan import declared_block_classes, find_blocks
 
 logger = logging.getLogger(__name__)
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# The modes whose compiled code replays CUDA graphs (torch's own list of what they switch on).
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+# torch.compile's modes and the inductor options each turns on, as the installed torch lists them (its
+# documented `list_mode_options`), so that a mode a newer torch adds is accepted and none is guessed.
+MODE_OPTIONS: dict[str, dict[str, Any]] = torch._inductor.list_mode_options()
+COMPILE_MODES = tuple(MODE_OPTIONS)
+# Inductor's switch for recording and replaying CUDA graphs, which a mode or the options may turn on.
+CUDA_GRAPHS_OPTION = "triton.cudagraphs"
+CUDA_GRAPHS_BACKEND = "cudagraphs"  # Dynamo's backend that records the traced graphs as CUDA graphs
+CUDA_GRAPH_MODES = tuple(mode for mode, options in MODE_OPTIONS.items() if options.get(CUDA_GRAPHS_OPTION))
 # Inductor's own setting for where it keeps compiled graphs and kernels across processes.
 CACHE_DIR_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 COMPILED_MARK = "_tnlg_compiled_block"
@@ -75,6 +82,17 @@ class CompileConfig:
             raise ValueError(f"compile mode {self.mode!r} is not one of {', '.join(COMPILE_MODES)}")
         if self.mode is not None and self.options:
             raise ValueError("give compile mode or options, not both (torch.compile takes one of them)")
+        if self.options:
+            _check_options(self.compile_kwargs())
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Whether the compiled code replays CUDA graphs: Dynamo's `cudagraphs` backend, or inductor with
+        a mode or options that turn them on (the other backends ignore mode and options)."""
+        if self.backend == CUDA_GRAPHS_BACKEND:
+            return True
+        chosen = {**MODE_OPTIONS.get(self.mode or "default", {}), **self.options}
+        return self.backend == "inductor" and bool(chosen.get(CUDA_GRAPHS_OPTION, False))
 
     def compile_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -89,13 +107,47 @@ class CompileConfig:
         return kwargs
 
 
+def _check_options(kwargs: dict[str, Any]) -> None:
+    """Let torch.compile itself check the options (a name it lacks, a value of the wrong type) now, when
+    the setting is read, not when the engine compiles: it checks them when called, and compiles nothing
+    until the function it returns runs."""
+    try:
+        torch.compile(_never_run, **kwargs)
+    except RuntimeError as error:
+        # torch lists every option it knows after the problem (hundreds): name the closest instead
+        problem = str(error).split(", known options are")[0]
+        close = [
+            match
+            for name in kwargs["options"]
+            for match in difflib.get_close_matches(name, torch._inductor.list_options(), n=1)
+            if match != name
+        ]
+        hint = (
+            f" (did you mean {', '.join(close)}? torch._inductor.list_options() lists them)" if close else ""
+        )
+        raise ValueError(f"compile options: {problem}{hint}") from None
+
+
+def _never_run(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 def check_compile_fits(compile_config: CompileConfig, zero: ZeroConfig) -> None:
-    """Refuse CUDA-graph modes where the engine moves parameters between steps ([Note: compiled blocks])."""
-    if compile_config.mode in CUDA_GRAPH_MODES and zero.partitions_parameters:
+    """Refuse CUDA graphs where the engine moves parameters between steps ([Note: compiled blocks])."""
+    if compile_config.uses_cuda_graphs and zero.partitions_parameters:
+        if compile_config.backend == CUDA_GRAPHS_BACKEND:
+            chosen, instead = f"compile backend {CUDA_GRAPHS_BACKEND!r}", "use another backend"
+        else:
+            chosen = (
+                f"compile mode {compile_config.mode!r}"
+                if compile_config.mode is not None
+                else f"compile option {CUDA_GRAPHS_OPTION}"
+            )
+            modes = ", ".join(repr(mode) for mode in COMPILE_MODES if mode not in CUDA_GRAPH_MODES)
+            instead = f"use mode {modes}, or leave {CUDA_GRAPHS_OPTION} off"
         raise ValueError(
-            f"compile mode {compile_config.mode!r} replays CUDA graphs at the parameter addresses they were "
-            "recorded with, but ZeRO stage 3 frees and regathers parameters around every block: use mode "
-            "'default' or 'max-autotune-no-cudagraphs'"
+            f"{chosen} replays CUDA graphs at the parameter addresses they were recorded with, but ZeRO "
+            f"stage 3 frees and regathers parameters around every block: {instead}"
         )
 
 

@@ -43,6 +43,26 @@ def test_compile_settings_are_checked_when_the_config_is_read():
     assert CompileSection(enabled=True, cache_dir="elsewhere").settings(Path("out")).cache_dir == "elsewhere"
 
 
-def test_compile_settings_without_enabled_are_named():
-    with pytest.raises(ValueError, match=r"model.compile.mode is set but model.compile.enabled is false"):
-        load_run_config(DEBUG, ["--model.compile.mode", "max-autotune"])
+def test_compile_options_reach_the_engine_and_are_checked_when_the_config_is_read():
+    config = load_run_config(
+        DEBUG, ["--model.compile.enabled", "true", "--model.compile.options", "{max_autotune: true}"]
+    )
+    assert config.model.compile.settings(Path("out")).options == {"max_autotune": True}
+    with pytest.raises(
+        ValueError, match=r"Unexpected optimization option max_autotun \(did you mean max_autotune\?"
+    ):
+        load_run_config(
+            DEBUG, ["--model.compile.enabled", "true", "--model.compile.options", "{max_autotun: true}"]
+        )
+    with pytest.raises(ValueError, match=r"give compile mode or options, not both"):
+        CompileSection(enabled=True, mode="max-autotune", options={"max_autotune": True})
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"), [("mode", "max-autotune"), ("options", "{max_autotune: true}")]
+)
+def test_compile_settings_without_enabled_are_named(setting, value):
+    with pytest.raises(
+        ValueError, match=rf"model.compile.{setting} is set but model.compile.enabled is false"
+    ):
+        load_run_config(DEBUG, [f"--model.compile.{setting}", value])

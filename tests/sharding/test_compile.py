@@ -222,8 +222,14 @@ def test_a_forward_set_on_a_block_is_not_compiled_over():
     ("fields", "message"),
     [
         ({"backend": "inductr"}, r"compile backend 'inductr' is not one torch knows: .*inductor"),
-        ({"mode": "fast"}, r"compile mode 'fast' is not one of default, reduce-overhead"),
+        ({"mode": "fast"}, r"compile mode 'fast' is not one of default, .*reduce-overhead"),
         ({"mode": "max-autotune", "options": {"a": 1}}, r"give compile mode or options, not both"),
+        # torch.compile's own checks of the options, made when the setting is given, not at compile time
+        (
+            {"options": {"triton.cudagraph": True}},
+            r"compile options: Unexpected optimization option triton.cudagraph \(did you mean triton.cudagraphs\?",
+        ),
+        ({"options": {"max_autotune": "yes"}}, r"compile options: Unexpected type of attr max_autotune"),
     ],
 )
 def test_bad_compile_settings_are_named(fields, message):
@@ -231,11 +237,34 @@ def test_bad_compile_settings_are_named(fields, message):
         CompileConfig(**fields)
 
 
-def test_cuda_graph_modes_are_refused_where_parameters_move():
-    with pytest.raises(ValueError, match=r"replays CUDA graphs .* but ZeRO stage 3 frees and regathers"):
-        check_compile_fits(CompileConfig(mode="reduce-overhead"), ZeroConfig(stage=3))
-    check_compile_fits(CompileConfig(mode="max-autotune-no-cudagraphs"), ZeroConfig(stage=3))
-    check_compile_fits(CompileConfig(mode="reduce-overhead"), ZeroConfig(stage=2))
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"mode": "reduce-overhead"}, "compile mode 'reduce-overhead'"),
+        ({"mode": "max-autotune"}, "compile mode 'max-autotune'"),
+        ({"options": {"triton.cudagraphs": True}}, "compile option triton.cudagraphs"),
+        ({"backend": "cudagraphs"}, "compile backend 'cudagraphs'"),
+    ],
+)
+def test_cuda_graphs_are_refused_where_parameters_move(fields, named):
+    with pytest.raises(
+        ValueError, match=rf"{named} replays CUDA graphs .* but ZeRO stage 3 frees and regathers"
+    ):
+        check_compile_fits(CompileConfig(**fields), ZeroConfig(stage=3))
+    check_compile_fits(CompileConfig(**fields), ZeroConfig(stage=2))  # parameters stay where they are
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"mode": "max-autotune-no-cudagraphs"},
+        {"options": {"triton.cudagraphs": False, "max_autotune": True}},
+        {"backend": "aot_eager", "mode": "reduce-overhead"},  # only inductor reads the mode and options
+    ],
+)
+def test_compiling_without_cuda_graphs_is_taken_at_stage_3(fields):
+    assert not CompileConfig(**fields).uses_cuda_graphs
+    check_compile_fits(CompileConfig(**fields), ZeroConfig(stage=3))
 
 
 def test_the_clock_counts_compilations_until_closed():

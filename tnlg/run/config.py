@@ -48,7 +48,8 @@ class ActivationCheckpointingSection:
 class CompileSection:
     """`enabled` compiles each decoder block with torch.compile inside the engine (never the whole model;
     see [Note: compiled blocks] in tnlg/sharding/compile.py), with torch.compile's `backend`, `mode`,
-    `fullgraph` and `dynamic`. `cache_dir` is where inductor keeps the compiled graphs, so that a resumed
+    `fullgraph`, `dynamic` and `options` (inductor's settings, `torch._inductor.list_options()`; a mode
+    or options, not both). `cache_dir` is where inductor keeps the compiled graphs, so that a resumed
     run reads them and skips most of the compiling; by default `compile_cache` in the run's output
     directory. It is set for the whole process, as inductor's cache is (its `TORCHINDUCTOR_CACHE_DIR`)."""
 
@@ -57,16 +58,17 @@ class CompileSection:
     mode: str | None = None
     fullgraph: bool = False
     dynamic: bool | None = None
+    options: dict[str, Any] = field(default_factory=dict)
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.enabled:
-            self.settings(Path("."))  # an unknown backend or mode is named when the config is read
+            self.settings(Path("."))  # an unknown backend, mode or option is named when the config is read
             return
         given = [
             f.name
             for f in dataclasses.fields(self)
-            if f.name != "enabled" and getattr(self, f.name) != f.default
+            if f.name != "enabled" and getattr(self, f.name) != _default(f)
         ]
         if given:
             # A setting that would not be applied is more likely a forgotten `enabled` than a choice.
@@ -84,8 +86,16 @@ class CompileSection:
             mode=self.mode,
             fullgraph=self.fullgraph,
             dynamic=self.dynamic,
+            options=dict(self.options),
             cache_dir=cache_dir,
         )
+
+
+def _default(field_: dataclasses.Field) -> Any:
+    """A dataclass field's default value, whether given as a value or made by a factory."""
+    if field_.default_factory is not dataclasses.MISSING:
+        return field_.default_factory()
+    return field_.default
 
 
 @dataclass(kw_only=True)
