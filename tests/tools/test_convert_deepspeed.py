@@ -79,3 +79,29 @@ def test_config_with_another_source_is_refused(capsys):
     with pytest.raises(SystemExit):
         convert_checkpoint.parse_args(["--from", "gpt2", "--config", "x", "--input", "a", "--output", "b"])
     assert "--config is for --from deepspeed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tagged", [False, True], ids=["save directory", "tag directory"])
+def test_a_deepspeed_checkpoint_given_where_a_tnlg_one_is_read_is_named_with_the_way_on(tagged):
+    from tnlg.run.checkpoint import RunCheckpointer, find_engine_checkpoint
+    from tnlg.sharding.checkpoint import CheckpointError
+
+    checkpoint = CASE["stage1_world2"].directory / CHECKPOINT
+    given = checkpoint / f"global_step{SAVE_AT}" if tagged else checkpoint
+    with pytest.raises(
+        FileNotFoundError, match=r"it is a DeepSpeed checkpoint: convert it with --from deepspeed"
+    ):
+        find_engine_checkpoint(given)
+    with pytest.raises(
+        CheckpointError,
+        match=r"is not a tnlg run checkpoint; it is a DeepSpeed checkpoint: .*--model.init_from",
+    ):
+        RunCheckpointer("unused", 1, accelerator=None).resolve(str(given))
+
+
+def test_a_directory_that_is_no_checkpoint_is_not_called_deepspeeds(tmp_path):
+    from tnlg.run.checkpoint import find_engine_checkpoint
+
+    with pytest.raises(FileNotFoundError, match=r"holds no engine checkpoint") as raised:
+        find_engine_checkpoint(tmp_path)
+    assert "DeepSpeed" not in str(raised.value)

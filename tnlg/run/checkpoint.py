@@ -29,6 +29,7 @@ from tnlg.sharding.checkpoint import (
     read_manifest,
     read_on_every_rank,
 )
+from tnlg.sharding.deepspeed.zero_checkpoint import deepspeed_tag_directory
 from tnlg.sharding.json_files import write_json, write_json_atomic
 from tnlg.state_files import (
     rank_state_file,
@@ -63,7 +64,11 @@ def find_engine_checkpoint(path: str | Path) -> Path:
     `engine/` (a run's `step-N`, a `ZeroAccelerator.save_state` directory, a `ZeroTrainer`
     `checkpoint-N`), or a run's checkpoint root (its `latest`). A ZeroTrainer checkpoint of the old
     `zero/` layout is a CheckpointError saying to rename it (see `engine_directory`)."""
-    path = latest_checkpoint(Path(path)) or Path(path)
+    path = Path(path)
+    deepspeed = deepspeed_hint(path, "convert it with --from deepspeed")
+    if deepspeed:  # before its `latest` (DeepSpeed's plain tag, not our JSON) is read as ours
+        raise FileNotFoundError(f"{path} holds no engine checkpoint{deepspeed}")
+    path = latest_checkpoint(path) or path
     if (path / MANIFEST).is_file():
         return path
     engine = engine_directory(path)
@@ -72,6 +77,16 @@ def find_engine_checkpoint(path: str | Path) -> Path:
     raise FileNotFoundError(
         f"{path} holds no engine checkpoint (a {MANIFEST} here or in {engine.name}/, or a {LATEST} pointer)"
     )
+
+
+def deepspeed_hint(path: Path, instead: str) -> str:
+    """When a tnlg checkpoint was expected at `path` and DeepSpeed's is there, what to do instead (as an
+    error's last clause), else nothing."""
+    try:
+        found = deepspeed_tag_directory(path)
+    except CheckpointError:  # a DeepSpeed `latest` naming a tag that is not there: still DeepSpeed's
+        found = path
+    return f"; it is a DeepSpeed checkpoint: {instead}" if found is not None else ""
 
 
 class RunCheckpointer:
@@ -117,6 +132,16 @@ class RunCheckpointer:
         path = Path(which)
         if not path.is_dir():
             raise CheckpointError(f"--resume {which}: no checkpoint directory at {path}")
+        if not engine_directory(path).exists():
+            hint = deepspeed_hint(
+                path,
+                "--resume continues a tnlg run (its data position, RNG and loss curve with the engine's state); "
+                "to start one from DeepSpeed's weights, convert them (scripts/convert_checkpoint.py --from "
+                "deepspeed) and pass --model.init_from, or load it whole into an engine with "
+                "engine.load_checkpoint (docs/checkpoints.md)",
+            )
+            if hint:
+                raise CheckpointError(f"--resume {which}: {path} is not a tnlg run checkpoint{hint}")
         return path
 
     def load(self, which: str, engine, scheduler, fallback: bool = False) -> dict[str, Any]:
