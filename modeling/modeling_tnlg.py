@@ -498,10 +498,11 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
-        if use_cache is None and labels is not None and cache is None:
-            # A loss needs no cache: building one would hold every layer's keys and values for
-            # nothing, and a cache turns off Transformers' packed-sequence masking (positions
-            # restarting at 0 keep packed examples apart only without one).
+        if use_cache is None and cache is None and (labels is not None or self.training):
+            # A loss, or a training forward whose loss is the caller's, needs no cache: building one
+            # would hold every layer's keys and values for nothing, and a cache turns off Transformers'
+            # packed-sequence masking (positions restarting at 0 keep packed examples apart only
+            # without one). Generation asks for one explicitly.
             use_cache = False
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,

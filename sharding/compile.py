@@ -21,6 +21,7 @@ Why one graph serves every block and every step:
   fake it (flat_group.py), and it is the same kind of tensor at every step.
 A new graph is compiled when something a guard reads changes: training against evaluation
 (dropout), gradients on against off, a new sequence length (`dynamic` decides how that is handled).
+A call given a KV cache (generation) runs the block's eager forward instead (`_eager_when_caching`).
 
 CUDA graphs (inductor's `mode="reduce-overhead"` or `"max-autotune"`, or its option `triton.cudagraphs`;
 Dynamo's `cudagraphs` backend) replay into the addresses they were recorded with; stage 3 (offloaded or
@@ -33,6 +34,7 @@ import difflib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,11 +177,37 @@ def compile_blocks(module: nn.Module, compile_config: CompileConfig | None) -> l
     _use_cache_dir(compile_config.cache_dir)
     kwargs = compile_config.compile_kwargs()
     for plan in blocks:
-        compiled = torch.compile(plan.module.forward, **kwargs)
-        setattr(compiled, COMPILED_MARK, compile_config)
-        plan.module.forward = compiled
-    logger.info("compile: %d blocks compiled with %s", len(blocks), kwargs)
+        forward = _eager_when_caching(plan.module.forward, torch.compile(plan.module.forward, **kwargs))
+        setattr(forward, COMPILED_MARK, compile_config)
+        plan.module.forward = forward
+    logger.info(
+        "compile: %d blocks compiled with %s (a call given a KV cache, as in generation, runs them eagerly)",
+        len(blocks),
+        kwargs,
+    )
     return [plan.name for plan in blocks]
+
+
+# The keywords Transformers' decoder layers take their KV cache by, as its GradientCheckpointingLayer
+# reads them (the name has changed between releases and differs between models).
+CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _eager_when_caching(eager: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """The block's forward: compiled, except in a call given a KV cache, which runs the eager one.
+
+    A cache is generation's (prefill and every decoded token): each layer writes its own entry of it, so
+    Dynamo's guards on that entry (`cache.layers[i]`, `layer_idx`) differ from block to block, and the
+    length grows by a token a step. Compiled, the first eight blocks would each compile a frame of their
+    own, the rest run eagerly once Dynamo's recompile limit is hit, and decoding would compile again for
+    the new shapes. Training and loss evaluation pass no cache and keep the one compiled graph."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if any(kwargs.get(name) is not None for name in CACHE_KEYWORDS):
+            return eager(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    return forward
 
 
 def _use_cache_dir(cache_dir: str | None) -> None:

@@ -76,7 +76,8 @@ class MemorizedText(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(()))
         self.following = {ord(a): ord(b) for a, b in itertools.pairwise(text)}
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, use_cache=None):
+        assert use_cache is False  # scoring asks a causal LM for no KV cache: it would be thrown away
         logits = torch.zeros(*input_ids.shape, 256)
         for position, token in enumerate(input_ids[0].tolist()):
             logits[0, position, self.following.get(token, 0)] = 1.0

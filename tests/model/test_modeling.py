@@ -241,6 +241,18 @@ def test_tuple_outputs_with_return_dict_false(debug_model):
     assert loss.ndim == 0
 
 
+def test_a_cache_is_built_only_where_it_can_be_used(debug_config):
+    """A loss, or a training forward, keeps no KV cache unless asked: every layer's keys and values would
+    be held for nothing. An evaluation forward without labels returns one, as Transformers models do."""
+    model = TNLGForCausalLM(debug_config)
+    input_ids = torch.randint(0, 512, (1, 5))
+    assert output_cache(model.train()(input_ids)) is None
+    assert output_cache(model(input_ids, use_cache=True)) is not None
+    with torch.no_grad():
+        assert output_cache(model.eval()(input_ids, labels=input_ids)) is None
+        assert output_cache(model(input_ids)) is not None
+
+
 def test_mask_that_skips_the_cached_tokens_is_refused(debug_model):
     cache = output_cache(debug_model(torch.randint(0, 512, (1, 4)), use_cache=True))
     with pytest.raises(ValueError, match="cache holds 4"):

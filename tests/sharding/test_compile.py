@@ -130,6 +130,26 @@ def test_deep_models_compile_one_graph_for_every_block():
     assert counters["graph_break"] == {}
 
 
+def test_generation_runs_the_blocks_eagerly_and_training_compiled():
+    """Generation hands every block a KV cache, with an entry of its own and a length that grows a token a
+    step: compiled, each layer would compile a frame of its own until Dynamo's recompile limit (eight
+    frames on twelve layers, then eager). Given a cache the blocks run eagerly, with the eager model's
+    tokens; training, and a loss evaluated in eval mode, still compile the one graph."""
+    model = make_tnlg(num_hidden_layers=12).eval()
+    prompt = torch.randint(0, 64, (2, 5))
+    settings = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    eager_tokens = model.generate(prompt, **settings)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_blocks(model, CompileConfig(backend="aot_eager"))
+    assert torch.equal(model.generate(prompt, **settings), eager_tokens)
+    assert counters["frames"]["total"] == 0
+    with torch.no_grad():
+        model(prompt, labels=prompt)  # eval mode, a loss: no cache, compiled
+    model.train()(prompt).logits.sum().backward()  # training without labels: no cache either
+    assert counters["frames"]["total"] == 2 and counters["stats"]["unique_graphs"] == 2
+
+
 def test_a_checkpointed_block_compiles_its_recomputation_into_the_graph():
     """With activation checkpointing the checkpoint is traced into each block's compiled graph, whatever
     Transformers release is installed ([Note: checkpointing the forward] in transformers_compat.py): the

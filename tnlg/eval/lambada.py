@@ -116,7 +116,7 @@ def score_passage(
     if max_length is not None:
         tokens = tokens[-(max_length + 1) :]
     ids = torch.tensor([tokens[:-1]], device=device)  # the last token is predicted, never fed
-    logits = model(input_ids=ids).logits[0, -len(target_ids) :]  # (N, V): position t predicts t + 1
+    logits = model(input_ids=ids, use_cache=False).logits[0, -len(target_ids) :]  # (N, V): t predicts t + 1
     log_probs = F.log_softmax(logits.float(), dim=-1)
     targets = torch.tensor(target_ids, device=device)
     loglikelihood = log_probs.gather(1, targets[:, None]).sum().item()
