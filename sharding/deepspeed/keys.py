@@ -48,13 +48,16 @@ def at(default: Any) -> dict[str, Any]:
 
 def disabled() -> dict[str, Any]:
     """A `KeyRule`'s arguments accepting a section only when it is absent, null or not enabled."""
+    return disabled_by("enabled")
+
+
+def disabled_by(switch: str) -> dict[str, Any]:
+    """A `KeyRule`'s arguments accepting a section only when it is absent, null or its `switch` is off."""
 
     def accepts(value: Any) -> bool:
-        return value is None or (
-            isinstance(value, Mapping) and value.get("enabled", False) in (False, "auto")
-        )
+        return value is None or (isinstance(value, Mapping) and value.get(switch, False) in (False, "auto"))
 
-    return {"accepts": accepts, "expected": '{"enabled": false}'}
+    return {"accepts": accepts, "expected": f'{{"{switch}": false}}'}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -199,6 +202,12 @@ TOP_RULES = {
     "data_efficiency": KeyRule("data efficiency sampling is not implemented", **disabled()),
     "hybrid_engine": KeyRule("the RLHF hybrid engine is not implemented", **disabled()),
     "nebula": KeyRule("the Nebula checkpoint service is not implemented", **disabled()),
+    "compile": KeyRule(
+        "DeepCompile's settings, which DeepSpeed applies only when engine.compile() is called; its ZeRO-3 graph "
+        "passes are not implemented: compile the blocks with the run config's model.compile.enabled, or "
+        "initialize(compile_config=...)",
+        **disabled_by("deepcompile"),
+    ),
 }
 _APPLIED = ("zero_optimization", "bf16", "bfloat16", "fp16", "gradient_clipping", "optimizer", "scheduler")
 TOP_LEVEL_KEYS = frozenset((*_APPLIED, *BATCH_KEYS, *TOP_RULES, "communication_data_type"))

@@ -135,6 +135,7 @@ def test_keys_safe_to_ignore_are_logged_once_at_info_with_the_reason(caplog):
         (zero(stage=2, cpu_offload=True), "cpu_offload = true .*use offload_optimizer.device = cpu"),
         ({"amp": {"enabled": True}}, 'amp = {"enabled": true} .*set it to {"enabled": false}'),
         ({"elasticity": {"enabled": True, "max_train_batch_size": 64}}, "elasticity = "),
+        ({"compile": {"deepcompile": True}}, 'compile = {"deepcompile": true} .*model.compile.enabled'),
         ({"bf16": {"enabled": True, "check_grad_overflow": False}}, "bf16.check_grad_overflow = false"),
         ({"fp16": {"enabled": True, "consecutive_hysteresis": True}}, "fp16.consecutive_hysteresis = true"),
         (adamw(max_grad_norm=1.0), "optimizer.params.max_grad_norm = 1.0 .*gradient_clipping\\); remove it"),
@@ -165,6 +166,7 @@ def test_what_tnlg_does_not_do_is_refused_naming_the_key_and_the_value_to_use(ds
         {"prescale_gradients": False, "gradient_predivide_factor": 1},
         {"bf16": {"enabled": True, "check_grad_overflow": True}, "communication_data_type": "bf16"},
         {"amp": {"enabled": False, "opt_level": "O1"}, "elasticity": None},
+        {"compile": {"deepcompile": False, "offload_activation": False}},
         zero(stage=2, load_from_fp32_weights=True, offload_optimizer={"device": "cpu", "ratio": 1}),
     ],
 )
