@@ -38,6 +38,7 @@ from transformers import Trainer
 from tnlg.accelerate import ZeroAccelerator
 from tnlg.sharding import ZeroConfig, ZeroEngine
 from tnlg.sharding.checkpoint import engine_directory
+from tnlg.sharding.deepspeed.zero_checkpoint import is_deepspeed_checkpoint
 from tnlg.state_files import read_scheduler_states, write_scheduler_states
 
 logger = logging.getLogger(__name__)
@@ -117,9 +118,16 @@ class ZeroTrainer(Trainer):
         directory = Path(checkpoint)
         engine = engine_directory(directory)  # the old zero/ layout: an error saying to rename it
         if not engine.is_dir():
+            written = (
+                "it is a DeepSpeed checkpoint (a Trainer run with deepspeed=), which a ZeroTrainer does not "
+                "resume: start from its weights (scripts/convert_checkpoint.py --from deepspeed, then "
+                "from_pretrained), or load all of it into trainer.engine with engine.load_checkpoint"
+                if is_deepspeed_checkpoint(directory)
+                else "it was not written by a ZeroTrainer with the ZeRO engine on"
+            )
             raise FileNotFoundError(
-                f"{directory} has no {engine.name}/ engine checkpoint: it was not written by a ZeroTrainer "
-                "with the ZeRO engine on, so its optimizer state cannot be restored"
+                f"{directory} has no {engine.name}/ engine checkpoint: {written}, so its optimizer state "
+                "cannot be restored"
             )
         self.engine.load_checkpoint(engine)
         if self.lr_scheduler is not None:

@@ -86,6 +86,15 @@ def deepspeed_tag_directory(path: str | Path) -> Path | None:
     return path if any(OPTIM_STATES.match(name) or MODEL_STATES.match(name) for name in names) else None
 
 
+def is_deepspeed_checkpoint(path: str | Path) -> bool:
+    """Whether `path` is a DeepSpeed checkpoint's save or tag directory (one whose `latest` names a tag
+    that is not there is still DeepSpeed's), for errors where a tnlg checkpoint was expected."""
+    try:
+        return deepspeed_tag_directory(path) is not None
+    except CheckpointError:
+        return True
+
+
 def read_deepspeed_checkpoint(path: str | Path) -> DeepSpeedZeroState:
     """Read a DeepSpeed ZeRO stage 1, 2 or 3 checkpoint (`path`: the save directory or the tag
     directory) into whole tensors. A checkpoint this cannot read faithfully is refused by name."""

@@ -29,7 +29,7 @@ from tnlg.sharding.checkpoint import (
     read_manifest,
     read_on_every_rank,
 )
-from tnlg.sharding.deepspeed.zero_checkpoint import deepspeed_tag_directory
+from tnlg.sharding.deepspeed.zero_checkpoint import is_deepspeed_checkpoint
 from tnlg.sharding.json_files import write_json, write_json_atomic
 from tnlg.state_files import (
     rank_state_file,
@@ -82,11 +82,7 @@ def find_engine_checkpoint(path: str | Path) -> Path:
 def deepspeed_hint(path: Path, instead: str) -> str:
     """When a tnlg checkpoint was expected at `path` and DeepSpeed's is there, what to do instead (as an
     error's last clause), else nothing."""
-    try:
-        found = deepspeed_tag_directory(path)
-    except CheckpointError:  # a DeepSpeed `latest` naming a tag that is not there: still DeepSpeed's
-        found = path
-    return f"; it is a DeepSpeed checkpoint: {instead}" if found is not None else ""
+    return f"; it is a DeepSpeed checkpoint: {instead}" if is_deepspeed_checkpoint(path) else ""
 
 
 class RunCheckpointer:
