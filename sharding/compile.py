@@ -109,6 +109,20 @@ class CompileConfig:
         return kwargs
 
 
+def dotted_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Inductor's options under its own dotted names (`triton.cudagraphs`) from a nesting of them, as YAML
+    or a dotted command-line override writes them (`triton: {cudagraphs: true}`); a mapping that is an
+    option's value (`post_grad_fusion_options`) stays whole."""
+    known = set(torch._inductor.list_options())
+    flat: dict[str, Any] = {}
+    for name, value in options.items():
+        if isinstance(value, dict) and name not in known:
+            flat.update({f"{name}.{inner}": setting for inner, setting in dotted_options(value).items()})
+        else:
+            flat[name] = value
+    return flat
+
+
 def _check_options(kwargs: dict[str, Any]) -> None:
     """Let torch.compile itself check the options (a name it lacks, a value of the wrong type) now, when
     the setting is read, not when the engine compiles: it checks them when called, and compiles nothing

@@ -59,6 +59,25 @@ def test_compile_options_reach_the_engine_and_are_checked_when_the_config_is_rea
 
 
 @pytest.mark.parametrize(
+    "given",
+    [
+        ["--model.compile.options", "{triton.cudagraphs: true}"],
+        ["--model.compile.options", "{triton: {cudagraphs: true}}"],
+        ["--model.compile.options.triton.cudagraphs", "true"],
+    ],
+    ids=["dotted name", "nested", "dotted override"],
+)
+def test_inductor_options_are_taken_by_their_dotted_names_or_nested(given):
+    config = load_run_config(DEBUG, ["--model.compile.enabled", "true", *given])
+    assert config.model.compile.settings(Path("out")).options == {"triton.cudagraphs": True}
+
+
+def test_an_option_whose_value_is_a_mapping_stays_whole():
+    fusions = {"post_grad_fusion_options": {"batch_linear_post_grad": {}}}
+    assert CompileSection(enabled=True, options=fusions).settings(Path("out")).options == fusions
+
+
+@pytest.mark.parametrize(
     ("setting", "value"), [("mode", "max-autotune"), ("options", "{max_autotune: true}")]
 )
 def test_compile_settings_without_enabled_are_named(setting, value):

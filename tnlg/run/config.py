@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import yaml
 
 from tnlg.sharding import CompileConfig, DeepSpeedConfig, ParallelDims, ZeroConfig, load_deepspeed
+from tnlg.sharding.compile import dotted_options
 from tnlg.sharding.config import MIXED_PRECISIONS
 
 T = TypeVar("T")
@@ -48,8 +49,8 @@ class ActivationCheckpointingSection:
 class CompileSection:
     """`enabled` compiles each decoder block with torch.compile inside the engine (never the whole model;
     see [Note: compiled blocks] in tnlg/sharding/compile.py), with torch.compile's `backend`, `mode`,
-    `fullgraph`, `dynamic` and `options` (inductor's settings, `torch._inductor.list_options()`; a mode
-    or options, not both). `cache_dir` is where inductor keeps the compiled graphs, so that a resumed
+    `fullgraph`, `dynamic` and `options` (inductor's settings, `torch._inductor.list_options()`, by their
+    dotted names or nested: `triton: {cudagraphs: true}`; a mode or options, not both). `cache_dir` is where inductor keeps the compiled graphs, so that a resumed
     run reads them and skips most of the compiling; by default `compile_cache` in the run's output
     directory. It is set for the whole process, as inductor's cache is (its `TORCHINDUCTOR_CACHE_DIR`)."""
 
@@ -86,7 +87,7 @@ class CompileSection:
             mode=self.mode,
             fullgraph=self.fullgraph,
             dynamic=self.dynamic,
-            options=dict(self.options),
+            options=dotted_options(self.options),
             cache_dir=cache_dir,
         )
 
