@@ -115,11 +115,15 @@ def dotted_options(options: dict[str, Any]) -> dict[str, Any]:
     option's value (`post_grad_fusion_options`) stays whole."""
     known = set(torch._inductor.list_options())
     flat: dict[str, Any] = {}
-    for name, value in options.items():
-        if isinstance(value, dict) and name not in known:
-            flat.update({f"{name}.{inner}": setting for inner, setting in dotted_options(value).items()})
-        else:
-            flat[name] = value
+
+    def add(prefix: str, nested: dict[str, Any]) -> None:
+        for name, value in nested.items():
+            if isinstance(value, dict) and prefix + name not in known:
+                add(f"{prefix}{name}.", value)
+            else:
+                flat[prefix + name] = value
+
+    add("", options)
     return flat
 
 
@@ -132,10 +136,11 @@ def _check_options(kwargs: dict[str, Any]) -> None:
     except RuntimeError as error:
         # torch lists every option it knows after the problem (hundreds): name the closest instead
         problem = str(error).split(", known options are")[0]
+        known = torch._inductor.list_options()
         close = [
             match
             for name in kwargs["options"]
-            for match in difflib.get_close_matches(name, torch._inductor.list_options(), n=1)
+            for match in difflib.get_close_matches(name, known, n=1)
             if match != name
         ]
         hint = (

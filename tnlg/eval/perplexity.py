@@ -93,9 +93,8 @@ def perplexity(
     totals = torch.zeros(2, dtype=torch.float64)  # [summed NLL, tokens scored]
     for (begin, end, first), weight in rank_share(windows):
         window = ids[begin:end].to(device)[None]  # (1, W)
-        logits = model(input_ids=window, use_cache=False).logits[
-            0
-        ]  # (W, V): t predicts t + 1; no cache to keep
+        # (W, V): position t predicts token t + 1; no KV cache, which scoring would throw away
+        logits = model(input_ids=window, use_cache=False).logits[0]
         log_probs = F.log_softmax(logits[first - begin - 1 : end - begin - 1].float(), dim=-1)
         targets = window[0, first - begin : end - begin]
         nll = -log_probs.gather(1, targets[:, None]).sum().item()

@@ -65,9 +65,10 @@ def find_engine_checkpoint(path: str | Path) -> Path:
     `checkpoint-N`), or a run's checkpoint root (its `latest`). A ZeroTrainer checkpoint of the old
     `zero/` layout is a CheckpointError saying to rename it (see `engine_directory`)."""
     path = Path(path)
-    deepspeed = deepspeed_hint(path, "convert it with --from deepspeed")
-    if deepspeed:  # before its `latest` (DeepSpeed's plain tag, not our JSON) is read as ours
-        raise FileNotFoundError(f"{path} holds no engine checkpoint{deepspeed}")
+    if is_deepspeed_checkpoint(path):  # before its `latest` (DeepSpeed's plain tag, not our JSON) is read
+        raise FileNotFoundError(
+            f"{path} holds no engine checkpoint; it is a DeepSpeed checkpoint: convert it with --from deepspeed"
+        )
     path = latest_checkpoint(path) or path
     if (path / MANIFEST).is_file():
         return path
@@ -77,12 +78,6 @@ def find_engine_checkpoint(path: str | Path) -> Path:
     raise FileNotFoundError(
         f"{path} holds no engine checkpoint (a {MANIFEST} here or in {engine.name}/, or a {LATEST} pointer)"
     )
-
-
-def deepspeed_hint(path: Path, instead: str) -> str:
-    """When a tnlg checkpoint was expected at `path` and DeepSpeed's is there, what to do instead (as an
-    error's last clause), else nothing."""
-    return f"; it is a DeepSpeed checkpoint: {instead}" if is_deepspeed_checkpoint(path) else ""
 
 
 class RunCheckpointer:
@@ -128,16 +123,14 @@ class RunCheckpointer:
         path = Path(which)
         if not path.is_dir():
             raise CheckpointError(f"--resume {which}: no checkpoint directory at {path}")
-        if not engine_directory(path).exists():
-            hint = deepspeed_hint(
-                path,
-                "--resume continues a tnlg run (its data position, RNG and loss curve with the engine's state); "
-                "to start one from DeepSpeed's weights, convert them (scripts/convert_checkpoint.py --from "
-                "deepspeed) and pass --model.init_from, or load it whole into an engine with "
-                "engine.load_checkpoint (docs/checkpoints.md)",
+        if not engine_directory(path).exists() and is_deepspeed_checkpoint(path):
+            raise CheckpointError(
+                f"--resume {which}: {path} is not a tnlg run checkpoint; it is a DeepSpeed checkpoint: --resume "
+                "continues a tnlg run (its data position, RNG and loss curve with the engine's state); to start "
+                "one from DeepSpeed's weights, convert them (scripts/convert_checkpoint.py --from deepspeed) and "
+                "pass --model.init_from, or load it whole into an engine with engine.load_checkpoint "
+                "(docs/checkpoints.md)"
             )
-            if hint:
-                raise CheckpointError(f"--resume {which}: {path} is not a tnlg run checkpoint{hint}")
         return path
 
     def load(self, which: str, engine, scheduler, fallback: bool = False) -> dict[str, Any]:
