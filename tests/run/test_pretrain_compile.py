@@ -12,6 +12,7 @@ from tests.support.compile_cases import compiled_debug_run
 from tests.support.run_cases import DEBUG
 from tnlg.run.config import CompileSection, load_run_config
 from tnlg.sharding import CompileConfig
+from tnlg.sharding.compile import dotted_options
 from tnlg.tools.spawn import run_distributed
 
 
@@ -75,6 +76,8 @@ def test_inductor_options_are_taken_by_their_dotted_names_or_nested(given):
 def test_an_option_whose_value_is_a_mapping_stays_whole():
     fusions = {"post_grad_fusion_options": {"batch_linear_post_grad": {}}}
     assert CompileSection(enabled=True, options=fusions).settings(Path("out")).options == fusions
+    nested = {"aot_inductor": {"metadata": {"key": "value"}}}  # a mapping-valued option under a prefix
+    assert dotted_options(nested) == {"aot_inductor.metadata": {"key": "value"}}
 
 
 @pytest.mark.parametrize(
