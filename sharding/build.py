@@ -27,6 +27,7 @@ from .deepspeed import DeepSpeedConfig, engine_optimizer, engine_settings
 from .engine import EngineParts, ZeroEngine
 from .kernels.fused_adam import ready_backend, steps_like_adam
 from .offload import Placement
+from .optimizer_kinds import check_optimizer_kind
 from .parallel import (
     ModelPlan,
     ParallelDims,
@@ -82,6 +83,10 @@ def initialize(
     """
     settings = engine_settings(config)  # a DeepSpeed config's training part too (deepspeed/)
     zero = settings.zero
+    if optimizer is not None:
+        # Before the model is cut or anything sharded, so that a refusal loses nothing; a DeepSpeed
+        # optimizer section builds torch's Adam / AdamW (see [Note: element-wise optimizers]).
+        check_optimizer_kind(optimizer, zero.allow_untested_optimizer)
     # Tensor slicing is applied first, so that the engine shards each rank's slices, over the data
     # group only (see [Note: parallel layout] in parallel.py).
     groups = parallel_groups(parallel, process_group)

@@ -63,6 +63,11 @@ class ZeroConfig:
         error); `none` always runs the user's optimizer. The kernel is chosen,
         and the CUDA extension built, when the engine is initialized: a kernel that cannot run on
         the engine's device is an error there, not in the first step.
+    allow_untested_optimizer: train with an optimizer not known to update each element on its own
+        (DeepSpeed's `zero_allow_untested_optimizer`). The engine steps each param group as one flat
+        1-D shard, which changes the update of optimizers that use tensor shapes or whole-tensor
+        statistics (Adafactor, LAMB); False refuses them at initialize (see
+        [Note: element-wise optimizers] in optimizer_kinds.py).
     """
 
     stage: int = 0
@@ -82,6 +87,7 @@ class ZeroConfig:
     offload_optimizer: str = "none"
     offload_param: str = "none"
     fused_adam: str = "auto"
+    allow_untested_optimizer: bool = False
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -141,7 +147,7 @@ _INT_MINIMUMS = {
     "hysteresis": 1,
     "param_persistence_threshold": 0,
 }
-_BOOLS = ("overlap_comm", "reshard_after_forward")
+_BOOLS = ("overlap_comm", "reshard_after_forward", "allow_untested_optimizer")
 # field → (minimum, inclusive)
 _NUMBERS = {
     "gradient_clipping": (0.0, True),

@@ -179,7 +179,6 @@ TOP_RULES = {
     "flops_profiler": KeyRule("profiler output"),
     "timers": KeyRule("timer logs"),
     "autotuning": KeyRule("read by the `deepspeed --autotuning` launcher, not by training"),
-    "zero_allow_untested_optimizer": KeyRule("a permission: the engine takes any torch optimizer"),
     "zero_force_ds_cpu_optimizer": KeyRule("a check: an offloaded Adam / AdamW always steps through CPUAdam"),
     "dataloader_drop_last": KeyRule("applies to data loaders DeepSpeed builds; the engine builds none"),
     "checkpoint": KeyRule("DeepSpeed's checkpoint I/O options: tnlg writes its own format"),
@@ -209,7 +208,14 @@ TOP_RULES = {
         **disabled_by("deepcompile"),
     ),
 }
-_APPLIED = ("zero_optimization", "bf16", "bfloat16", "fp16", "gradient_clipping", "optimizer", "scheduler")
+# Top-level keys that set a ZeroConfig field (errors name the key): DeepSpeed's permission for optimizers
+# ZeRO has not been tested with is the engine's refusal of optimizers that are not element-wise (see
+# [Note: element-wise optimizers] in optimizer_kinds.py); true allows them, false keeps the refusal.
+TOP_ZERO_KEYS = {
+    "gradient_clipping": "gradient_clipping",
+    "zero_allow_untested_optimizer": "allow_untested_optimizer",
+}
+_APPLIED = ("zero_optimization", "bf16", "bfloat16", "fp16", *TOP_ZERO_KEYS, "optimizer", "scheduler")
 TOP_LEVEL_KEYS = frozenset((*_APPLIED, *BATCH_KEYS, *TOP_RULES, "communication_data_type"))
 COMMUNICATION_DTYPES = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 

@@ -29,6 +29,7 @@ from .keys import (
     SUPPORTED_SCHEDULERS,
     TOP_LEVEL_KEYS,
     TOP_RULES,
+    TOP_ZERO_KEYS,
     KeyRule,
     integer,
 )
@@ -171,8 +172,8 @@ def _load(config: Mapping[str, Any], source: str, auto: Mapping[str, Any]) -> De
             reader.read_zero(as_section(key, raw))
         elif key in ("bf16", "bfloat16", "fp16"):
             reader.read_precision("fp16" if key == "fp16" else "bf16", as_section(key, raw))
-        elif key == "gradient_clipping":
-            reader.set(key, raw, "gradient_clipping")
+        elif key in TOP_ZERO_KEYS:
+            reader.set(key, raw, TOP_ZERO_KEYS[key])
         elif key in BATCH_KEYS:
             training[key] = _read_count(key, raw, auto)
         elif key == "optimizer":

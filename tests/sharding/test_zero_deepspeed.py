@@ -107,7 +107,6 @@ def test_keys_safe_to_ignore_are_logged_once_at_info_with_the_reason(caplog):
     assert ignored == [
         "steps_per_print",
         "wall_clock_breakdown",
-        "zero_allow_untested_optimizer",
         "zero_optimization.sub_group_size",
         "zero_optimization.contiguous_gradients",
         "zero_optimization.offload_param.pin_memory",
