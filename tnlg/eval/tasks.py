@@ -10,7 +10,9 @@
 
 Under ZeRO stage 3 every forward pass is collective, so every rank runs the same number of them: a
 rank whose slice is shorter runs dummy batches with no weight, and generation keeps finished ranks
-stepping (tnlg.inference.distributed).
+stepping (tnlg.inference.distributed). The slices are cut by data-parallel rank: the ranks of one
+tensor-sliced replica take the same examples (see [Note: evaluation by data rank] in
+tnlg.inference.ranks).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from tnlg.data.tasks import IGNORE_INDEX, BadExampleError, TaskFormat, encode_pr
 from tnlg.data.tokenizer import pad_id
 from tnlg.eval.text_metrics import rouge_scores, squad_scores
 from tnlg.inference.distributed import generate_on_ranks
-from tnlg.inference.ranks import all_ranks_sum, model_device, rank_share
+from tnlg.inference.ranks import all_ranks_sum, model_device, rank_share, work_share
 from tnlg.inference.settings import GenerationSettings
 
 logger = logging.getLogger(__name__)
@@ -49,14 +51,15 @@ def target_loss(
     device, was_training = model_device(model), model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64)  # [summed NLL, target tokens]
-    for chunk, weight in rank_share(batches):  # weight 0: a repeat that keeps this rank in step
+    share = work_share(model)
+    for chunk, weight in rank_share(batches, share):  # weight 0: a repeat that keeps this rank in step
         batch = {k: v.to(device) for k, v in pad_batch(chunk, pad_token_id).items()}
         loss = model(**batch).loss
         targets = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
         if targets > 0:  # a batch with no target token has a loss of nan (0 / 0): it adds nothing
             totals += weight * torch.stack([loss.double() * targets, targets.double()]).cpu()
     model.train(was_training)
-    totals = all_ranks_sum(totals)
+    totals = all_ranks_sum(totals, share)
     if totals[1] == 0:
         raise ValueError(
             f"the {len(examples)} examples have no target token after the first position to score"

@@ -32,7 +32,7 @@ from tnlg.inference.generation import (
     generate_texts,
     load_tokenizer_for,
 )
-from tnlg.inference.ranks import rank_slice
+from tnlg.inference.ranks import rank_slice, work_share
 from tnlg.inference.settings import GenerationSettings
 from tnlg.modeling import TNLGForCausalLM
 from tnlg.sharding import ZeroConfig, ZeroEngine, initialize, meta_from_pretrained
@@ -106,21 +106,24 @@ def generate_on_ranks(
     Collective: every rank of the default process group calls it with the same `prompts` (text or
     token ids, as for `generate_texts`), `settings` and `batch_size`. `model` is a `ZeroEngine` (any
     stage; it must shard over the default group, which `synced_gpus` synchronises on) or a plain
-    model replicated on every rank. Without a process group (or with one rank) this is
-    `generate_texts`. Sampling draws from each rank's own generator: seeding the ranks (differently,
+    model replicated on every rank. The prompts are shared by data-parallel rank: under tensor slicing
+    the ranks of one replica generate the same share together. Without a process group (or with one
+    data-parallel share) this is `generate_texts`. Sampling draws from each rank's own generator: seeding the ranks (differently,
     or not) is the caller's choice.
     """
     settings = settings or GenerationSettings()
     module = model.module if isinstance(model, ZeroEngine) else model
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    # By data-parallel rank: the ranks of one tensor-sliced replica generate the same prompts together
+    # (see [Note: evaluation by data rank] in tnlg.inference.ranks).
+    share = work_share(model)
+    if share.count == 1:
         return generate_texts(module, tokenizer, prompts, settings, batch_size)
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    start, end = rank_slice(len(prompts), rank, world_size)
+    start, end = rank_slice(len(prompts), share.index, share.count)
     mine = prompts[start:end]
-    # Rank 0 has the largest share (it starts at 0): every rank runs as many batches as it does.
-    largest = rank_slice(len(prompts), 0, world_size)[1]
+    # Share 0 is the largest (it starts at 0): every rank runs as many batches as it does.
+    largest = rank_slice(len(prompts), 0, share.count)[1]
     batches = -(-largest // batch_size)
     config = settings.to_generation_config(tokenizer)
     completions: list[str] = []
@@ -132,6 +135,6 @@ def generate_on_ranks(
             # Out of prompts while the other ranks still gather parameters in every forward: keep
             # stepping with them on a throwaway one-prompt batch.
             generate_batch(module, tokenizer, prompts[:1], config, synced_gpus=True)
-    shares: list[list[str] | None] = [None] * world_size
-    dist.all_gather_object(shares, completions)
+    shares: list[list[str] | None] = [None] * share.count
+    dist.all_gather_object(shares, completions, group=share.group)
     return [text for share in shares for text in share or []]

@@ -103,16 +103,20 @@ class TaskExamples:
         return encoded[:limit]
 
     def evaluate(self, model, tokenizer, accelerator) -> dict[str, float]:
-        # `train.eval_batches` batches per rank, as in pretraining
+        # `train.eval_batches` batches per data-parallel rank, as in pretraining: the ranks of one
+        # tensor-sliced replica share theirs (see [Note: evaluation by data rank] in tnlg.inference.ranks)
         train_section = self.config.train
-        limit = train_section.eval_batches * train_section.micro_batch_size * accelerator.num_processes
-        examples = self.validation_examples(tokenizer, accelerator.num_processes, limit)
+        replicas = accelerator.data_parallel_size
+        limit = train_section.eval_batches * train_section.micro_batch_size * replicas
+        examples = self.validation_examples(tokenizer, replicas, limit)
         return target_loss(model, examples, train_section.micro_batch_size, pad_id(tokenizer))
 
     def final_evaluation(self, model, tokenizer, accelerator) -> dict[str, Any]:
         # the references' loss (teacher forcing) and the generated predictions' scores
         evaluation = self.config.evaluation
-        examples = self.validation_examples(tokenizer, accelerator.num_processes, evaluation.max_examples)
+        examples = self.validation_examples(
+            tokenizer, accelerator.data_parallel_size, evaluation.max_examples
+        )
         return task_metrics(
             model,
             tokenizer,
