@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from tnlg.data.sources import BAD_RECORD_POLICIES
+from tnlg.modeling import PRESETS, TNLGConfig
 from tnlg.sharding import CompileConfig, DeepSpeedConfig, ParallelDims, ZeroConfig, load_deepspeed
 from tnlg.sharding.compile import dotted_options
 from tnlg.sharding.config import MIXED_PRECISIONS
@@ -115,6 +118,23 @@ class ModelSection:
     )
     compile: CompileSection = field(default_factory=CompileSection)
 
+    def __post_init__(self) -> None:
+        choose("model.preset", self.preset, tuple(sorted(PRESETS)))
+        check_model_overrides(self.overrides)
+
+
+def check_model_overrides(overrides: dict[str, Any]) -> None:
+    """Every `model.overrides` key must be a TNLGConfig attribute: Transformers' config keeps an unknown
+    keyword as an extra attribute, so a misspelt field would be written to config.json and never used."""
+    known = sorted(TNLGConfig().to_dict())
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = (
+                f"did you mean model.overrides.{close[0]}?" if close else "TNLGConfig().to_dict() lists them"
+            )
+            raise ValueError(f"model.overrides.{key} is not a TNLGConfig field ({hint})")
+
 
 @dataclass(kw_only=True)
 class SourceSection:
@@ -130,6 +150,22 @@ class SourceSection:
     text_field: str = "text"
     pile_set_name: str | None = None
 
+    def __post_init__(self) -> None:
+        require_weight(f"source {self.name!r}", self.weight)
+        if not self.paths:
+            return
+        # Files have no splits or builder configs: a value here would be silently not applied.
+        if self.split != "train":
+            raise ValueError(
+                f"source {self.name!r}: split {self.split!r} names a split of a dataset, but the source reads "
+                "files (paths): remove split, or give the split's files as the paths"
+            )
+        if self.dataset_config is not None:
+            raise ValueError(
+                f"source {self.name!r}: dataset_config {self.dataset_config!r} configures a dataset, but the "
+                "source reads files (paths): remove it"
+            )
+
 
 @dataclass(kw_only=True)
 class PretokenizedSection:
@@ -137,6 +173,14 @@ class PretokenizedSection:
 
     prefix: str
     weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        require_weight(f"data.pretokenized {self.prefix!r}", self.weight)
+
+
+def require_weight(name: str, weight: float) -> None:
+    """A mixture weight: finite and > 0 (a corpus weighted 0 or less would never be sampled)."""
+    require(f"{name}: weight", weight, math.isfinite(weight) and weight > 0, "a finite number > 0")
 
 
 @dataclass(kw_only=True)
@@ -156,6 +200,28 @@ class DataSection:
     def __post_init__(self) -> None:
         require("data.seq_len", self.seq_len, self.seq_len >= 1, ">= 1")
         require("data.shuffle_buffer", self.shuffle_buffer, self.shuffle_buffer >= 1, ">= 1")
+        choose("data.on_bad_record", self.on_bad_record, BAD_RECORD_POLICIES)
+        if self.pretokenized:
+            self._check_pretokenized_alone()
+
+    def _check_pretokenized_alone(self) -> None:
+        """With `pretokenized`, what only streamed sources use would be silently not applied. A setting
+        equal to its default cannot be told from an unset one (and changes nothing): it is let through."""
+        if self.sources:
+            raise ValueError(
+                "data.sources and data.pretokenized are both given, but a run reads one or the other: remove "
+                "data.sources, or prepare them with scripts/prepare_data.py and list them in data.pretokenized"
+            )
+        if self.shuffle_buffer != DataSection.shuffle_buffer:
+            raise ValueError(
+                f"data.shuffle_buffer {self.shuffle_buffer} shuffles streamed data.sources; data.pretokenized "
+                "corpora are sampled by their own shuffled index: remove it"
+            )
+        if self.on_bad_record != DataSection.on_bad_record and not self.validation_sources:
+            raise ValueError(
+                f"data.on_bad_record {self.on_bad_record!r} applies to streamed sources, and with "
+                "data.pretokenized and no data.validation_sources none is streamed: remove it"
+            )
 
 
 @dataclass(kw_only=True)
@@ -170,15 +236,17 @@ class OptimizerSection:
     min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
-        require("optimizer.lr", self.lr, self.lr >= 0, ">= 0 (0 freezes the weights)")
-        require("optimizer.weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0")
+        # math.isfinite first: every comparison with nan is False, and inf passes `>= 0`
+        lr, decay = self.lr, self.weight_decay
+        require("optimizer.lr", lr, math.isfinite(lr) and lr >= 0, ">= 0 and finite (0 freezes the weights)")
+        require("optimizer.weight_decay", decay, math.isfinite(decay) and decay >= 0, ">= 0 and finite")
         require(
             "optimizer.betas",
             self.betas,
             len(self.betas) == 2 and all(0 <= beta < 1 for beta in self.betas),
             "two numbers in [0, 1), e.g. [0.9, 0.95]",
         )
-        require("optimizer.eps", self.eps, self.eps > 0, "> 0")
+        require("optimizer.eps", self.eps, math.isfinite(self.eps) and self.eps > 0, "> 0 and finite")
         require("optimizer.warmup_steps", self.warmup_steps, self.warmup_steps >= 0, ">= 0")
         require("optimizer.min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]")
 
@@ -398,7 +466,7 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | No
         raw = loaded or {}
     for dotted, value in _pairs(overrides or []):
         try:
-            parsed = yaml.safe_load(value)
+            parsed = yaml.load(value, Loader=_ConfigLoader)  # a SafeLoader
         except yaml.YAMLError as error:
             raise ValueError(
                 f"override --{dotted} {value!r} is not a YAML value: {_first_line(error)}"
@@ -407,12 +475,49 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | No
     return build(cls, raw, "")
 
 
+@dataclass(frozen=True)
+class SpelledBool:
+    """A YAML 1.1 boolean (yes / no / on / off / true / false, any case) with the text it was written as.
+
+    [Note: YAML booleans in text fields]
+    YAML 1.1 (PyYAML's) reads `no`, `off` and `yes` as booleans, so `mixed_precision: no` (or
+    `--train.mixed_precision no`) would reach a text field as False. Config files and command-line
+    values are both read with `_ConfigLoader`, which keeps the spelling: a field that takes text gets the
+    text the user typed, a boolean field (or a free mapping, e.g. model.overrides) the boolean.
+    """
+
+    value: bool
+    text: str
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that booleans keep their spelling (see SpelledBool)."""
+
+
+def _spelled_bool(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> SpelledBool:
+    return SpelledBool(loader.construct_yaml_bool(node), node.value)
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:bool", _spelled_bool)
+
+
+def _plain(value: Any) -> Any:
+    """`value` with every SpelledBool (at any depth) its boolean: what a free-form mapping holds."""
+    if isinstance(value, SpelledBool):
+        return value.value
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
 def read_yaml(path: Path) -> Any:
     """A YAML file's contents; a missing, unreadable, binary or malformed file is one ValueError naming it."""
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
     try:
-        return yaml.safe_load(path.read_bytes().decode("utf-8"))
+        return yaml.load(path.read_bytes().decode("utf-8"), Loader=_ConfigLoader)  # a SafeLoader
     except UnicodeDecodeError as error:
         raise ValueError(f"{path} is not a YAML file: not UTF-8 text (byte {error.start})") from None
     except yaml.YAMLError as error:
@@ -453,7 +558,9 @@ def _set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
 def build(cls: type, raw: Any, path: str) -> Any:
     """`cls` (a dataclass) from a mapping, recursively; errors name the dotted path of the key."""
     if not isinstance(raw, dict):
-        raise ValueError(f"{path or 'config'}: expected a mapping, got {raw!r}")
+        raise ValueError(f"{path or 'config'}: expected a mapping, got {_plain(raw)!r}")
+    # a key is a name: `yes:` or `off:` as a key is its text (see SpelledBool)
+    raw = {key.text if isinstance(key, SpelledBool) else key: value for key, value in raw.items()}
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - known)
@@ -480,15 +587,15 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
         return _convert_union(typing.get_args(hint), value, path)
     if origin is list:
         if not isinstance(value, list):
-            raise ValueError(f"{path}: expected a list, got {value!r}")
+            raise ValueError(f"{path}: expected a list, got {_plain(value)!r}")
         (item,) = typing.get_args(hint)
         return [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise ValueError(f"{path}: expected a mapping, got {value!r}")
-        return dict(value)
+            raise ValueError(f"{path}: expected a mapping, got {_plain(value)!r}")
+        return _plain(value)
     if hint is Any:
-        return value
+        return _plain(value)
     return _convert_scalar(hint, value, path)
 
 
@@ -508,6 +615,10 @@ def _convert_union(options: tuple[Any, ...], value: Any, path: str) -> Any:
 
 
 def _convert_scalar(hint: Any, value: Any, path: str) -> Any:
+    if isinstance(value, SpelledBool):  # see [Note: YAML booleans in text fields]
+        if hint is str:
+            return value.text
+        value = value.value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, str):

@@ -8,12 +8,14 @@ overrides as pretraining (tnlg.run.config), with unknown keys refused by their d
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tnlg.data.tasks import TaskFormat
 from tnlg.inference.settings import GenerationSettings
-from tnlg.run.config import LoggingSection, TrainingConfig, TrainSection, load_config
+from tnlg.run.config import LoggingSection, TrainingConfig, TrainSection, load_config, require
 
 # The projections LoRA adapts by default: every Linear of the attention and MLP blocks (the output
 # layer is tied to the embedding and left alone).
@@ -72,13 +74,32 @@ class FinetuneDataSection:
             self.dataset = EMBEDDED_DEFAULT
             if self.validation_split is None and not self.validation_paths:
                 self.validation_split = "validation"
-        if self.paths and self.validation_split:
+        if self.paths:
+            self._check_paths_alone()
+        if self.on_long_example not in ("stop", "skip"):
+            raise ValueError(f"data.on_long_example must be 'stop' or 'skip', got {self.on_long_example!r}")
+        if self.max_examples is not None:
+            require(
+                "data.max_examples", self.max_examples, self.max_examples >= 1, ">= 1 (or null: every row)"
+            )
+
+    def _check_paths_alone(self) -> None:
+        """Files have no splits, and an embedded set is read instead of them: such a setting would be
+        silently not applied."""
+        if self.validation_split:
             raise ValueError(
                 "data.validation_split names a split of data.dataset; files in data.paths have none: give "
                 "the held-out files as data.validation_paths"
             )
-        if self.on_long_example not in ("stop", "skip"):
-            raise ValueError(f"data.on_long_example must be 'stop' or 'skip', got {self.on_long_example!r}")
+        if self.split != FinetuneDataSection.split:
+            raise ValueError(
+                f"data.split {self.split!r} names a split of data.dataset; files in data.paths have none, so "
+                "all of them are read: remove data.split, or give that split's files as data.paths"
+            )
+        if self.dataset is not None and self.dataset.startswith("embedded:"):
+            raise ValueError(
+                f"data.dataset {self.dataset!r} is an embedded set, read instead of data.paths: give one or the other"
+            )
 
 
 @dataclass(kw_only=True)
@@ -90,6 +111,24 @@ class LoraSection:
     alpha: int = 16
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            _refuse_settings_while_off(self, "lora")
+            return
+        require("lora.r", self.r, self.r >= 1, ">= 1")
+        require("lora.alpha", self.alpha, self.alpha > 0, "> 0")
+        require("lora.dropout", self.dropout, 0 <= self.dropout < 1, "in [0, 1)")
+        require("lora.target_modules", self.target_modules, bool(self.target_modules), "a non-empty list")
+
+
+def _refuse_settings_while_off(section: Any, name: str) -> None:
+    """A setting of a section that is not enabled would not be applied: more likely a forgotten
+    `enabled` than a choice (as model.compile refuses)."""
+    for f in dataclasses.fields(section):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if f.name != "enabled" and getattr(section, f.name) != default:
+            raise ValueError(f"{name}.{f.name} is set but {name}.enabled is false: set it to true to use it")
 
 
 @dataclass(kw_only=True)
@@ -104,6 +143,27 @@ class EvaluationSection:
     after_training: bool = True
     generation: GenerationSettings = field(default_factory=GenerationSettings)  # greedy, beams, sampling
 
+    def __post_init__(self) -> None:
+        # checked when the config is read: a bad value found only after training would waste the run
+        require("evaluation.max_examples", self.max_examples, self.max_examples >= 1, ">= 1")
+        require("evaluation.batch_size", self.batch_size, self.batch_size >= 1, ">= 1")
+        check_generation(self.generation, "evaluation.generation")
+
+
+def check_generation(settings: GenerationSettings, name: str) -> None:
+    """The decoding settings' ranges, as Transformers' GenerationConfig would refuse them mid-run."""
+    require(f"{name}.max_new_tokens", settings.max_new_tokens, settings.max_new_tokens >= 1, ">= 1")
+    require(f"{name}.num_beams", settings.num_beams, settings.num_beams >= 1, ">= 1 (1: no beam search)")
+    temperature, top_p = settings.temperature, settings.top_p
+    require(
+        f"{name}.temperature",
+        temperature,
+        math.isfinite(temperature) and temperature > 0,
+        "a finite number > 0",
+    )
+    require(f"{name}.top_k", settings.top_k, settings.top_k >= 0, ">= 0 (0: no top-k filtering)")
+    require(f"{name}.top_p", top_p, 0 < top_p <= 1, "in (0, 1]")
+
 
 @dataclass(kw_only=True)
 class FinetuneConfig(TrainingConfig):
@@ -117,6 +177,14 @@ class FinetuneConfig(TrainingConfig):
     logging: LoggingSection = field(default_factory=lambda: LoggingSection(project="finetune"))
 
     def __post_init__(self) -> None:
+        if self.lora.enabled and self.parallel.tensor > 1:
+            # peft wraps the whole model's Linear layers; tensor slicing cuts them afterwards, and the
+            # adapters of the sliced layers are left out of the graph on some ranks (backward fails)
+            raise ValueError(
+                f"lora.enabled with parallel.tensor {self.parallel.tensor}: LoRA adapters are not tensor-sliced; "
+                "fine-tune with LoRA on data parallelism (parallel.tensor 1, a ZeRO stage to save memory), or "
+                "without LoRA under tensor slicing"
+            )
         if self.parallel.pipeline > 1:
             # Task examples are padded (an attention mask the stages cannot carry), and the evaluation
             # generates with the whole model, which no rank holds under pipeline stages.
