@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tnlg.modeling.transformers_compat import enable_checkpointing
+from tnlg.run.config import ActivationCheckpointingSection
 
 # Non-reentrant checkpointing: the recomputation runs inside the ordinary backward, so the engine's
 # hooks and gradient reduction see it like any other backward (the reentrant variant runs a nested
@@ -74,6 +75,21 @@ class HostActivations(torch.autograd.graph.saved_tensors_hooks):
             return host.to(device, non_blocking=pin_memory)
 
         super().__init__(pack, unpack)
+
+
+def check_activation_offload(section: ActivationCheckpointingSection, pipeline: int) -> None:
+    """`model.activation_checkpointing.cpu_offload` under `parallel.pipeline` > 1 is refused: the
+    pipeline schedule interleaves the micro-batches' forwards and backwards inside the engine
+    (`engine.train_batch`), where the loop's `offloaded_activations` around each forward cannot reach,
+    so the setting would be silently ignored. Refused when the run is built, before anything is
+    written or removed."""
+    if section.cpu_offload and pipeline > 1:
+        raise ValueError(
+            f"model.activation_checkpointing.cpu_offload is not supported with parallel.pipeline {pipeline} (the "
+            "pipeline schedule runs the forwards inside the engine, where the offload does not apply): set "
+            "cpu_offload false (checkpointing alone still recomputes each block), or train without pipeline "
+            "stages"
+        )
 
 
 def offloaded_activations(enabled: bool) -> contextlib.AbstractContextManager[Any]:

@@ -9,13 +9,17 @@
 
 A checkpoint is written into a hidden staging directory and renamed into place once every rank
 has finished, then `latest` is replaced atomically: a crash mid-save leaves the previous
-checkpoint complete and selected. Only the newest `keep_last` are kept. JSON and safetensors only.
+checkpoint complete and selected (a checkpoint replaced at the same step is renamed aside, not deleted,
+until its successor is in place). `keep_last` checkpoints are kept: the one just written, then the
+newest of the steps before it; the steps after it, left by a run resumed from an earlier checkpoint,
+belong to the abandoned timeline and go first. JSON and safetensors only.
 The engine directory and the rank and scheduler files are laid out as in `ZeroAccelerator.save_state`
 and `ZeroTrainer` checkpoints (tnlg.state_files).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -44,6 +48,7 @@ from tnlg.state_files import (
 
 logger = logging.getLogger(__name__)
 LATEST = "latest"
+REPLACED = ".replaced"  # suffix of a checkpoint renamed aside while its successor at the same step moves in
 CURVE_FILE = "loss_curve.json"  # the run's curve up to the checkpoint's step
 
 
@@ -56,7 +61,46 @@ def latest_checkpoint(root: Path) -> Path | None:
     name = pointed.get("checkpoint") if isinstance(pointed, dict) else None
     if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
         raise CheckpointError(f'{pointer} does not name a checkpoint (expected {{"checkpoint": "step-N"}})')
-    return root / name
+    return _present_or_set_aside(root / name)
+
+
+def _set_aside(checkpoint: Path) -> Path:
+    return checkpoint.with_name(f".{checkpoint.name}{REPLACED}")
+
+
+def _present_or_set_aside(checkpoint: Path) -> Path:
+    """`checkpoint`, or its previous version set aside when a save at the same step stopped between the
+    two renames of `RunCheckpointer._replace` (that version is complete; `latest` still names it)."""
+    aside = _set_aside(checkpoint)
+    if not checkpoint.exists() and aside.is_dir():
+        logger.warning("%s is missing (a save stopped while replacing it): using %s", checkpoint, aside)
+        return aside
+    return checkpoint
+
+
+def resolve_checkpoint(root: Path, which: str) -> Path:
+    """`latest` (under `root`) or a checkpoint directory; there being none is an error naming where it
+    looked."""
+    if which == LATEST:
+        path = latest_checkpoint(root)
+        if path is None:
+            raise CheckpointError(
+                f"--resume latest: {root} holds no checkpoint ({root / LATEST} does not exist); "
+                "start a new run without --resume"
+            )
+        return path
+    path = Path(which)
+    if not path.is_dir():
+        raise CheckpointError(f"--resume {which}: no checkpoint directory at {path}")
+    if not engine_directory(path).exists() and is_deepspeed_checkpoint(path):
+        raise CheckpointError(
+            f"--resume {which}: {path} is not a tnlg run checkpoint; it is a DeepSpeed checkpoint: --resume "
+            "continues a tnlg run (its data position, RNG and loss curve with the engine's state); to start "
+            "one from DeepSpeed's weights, convert them (scripts/convert_checkpoint.py --from deepspeed) and "
+            "pass --model.init_from, or load it whole into an engine with engine.load_checkpoint "
+            "(docs/checkpoints.md)"
+        )
+    return path
 
 
 def find_engine_checkpoint(path: str | Path) -> Path:
@@ -77,6 +121,106 @@ def find_engine_checkpoint(path: str | Path) -> Path:
         return engine
     raise FileNotFoundError(
         f"{path} holds no engine checkpoint (a {MANIFEST} here or in {engine.name}/, or a {LATEST} pointer)"
+    )
+
+
+# [Note: settings a resume may change]
+# A checkpoint restores the model, the optimizer state with its param groups' numeric hyperparameters
+# (lr, weight decay, eps: sharding/checkpoint.py's numeric_hyperparameters), the schedule and the data
+# position; the new config gives everything else. So that no run is a silent mix of two configs, a
+# resume refuses any setting that differs from the checkpoint's config.json, except the ones below:
+# how the same computation is laid out and run (checkpoints load at any parallel layout, ZeRO stage,
+# offload, world size, micro-batch split and precision), train.max_steps (extending a run is the usual
+# reason to resume), and what is logged, evaluated and saved where.
+RESUME_MAY_CHANGE = (
+    "parallel.",
+    "zero.",
+    "train.micro_batch_size",
+    "train.gradient_accumulation_steps",
+    "train.mixed_precision",
+    "train.max_steps",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.save_every",
+    "train.keep_last",
+    "train.output_dir",
+    "train.peak_flops",
+    "train.on_nonfinite_loss",
+    "train.resume_fallback",
+    "train.overwrite",
+    "train.export_gpt2",
+    "model.activation_checkpointing.",
+    "model.compile.",
+    "data.validation_sources",
+    "data.validation_split",
+    "data.validation_paths",
+    "evaluation.",
+    "logging.",
+)
+RESUME_MAY_NOT_CHANGE = ("zero.gradient_clipping",)  # an optimizer setting, though in the zero section
+
+
+def flat_settings(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`config`'s settings by dotted key; a list (data sources, betas) is one setting."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            flat.update(flat_settings(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _may_change(key: str) -> bool:
+    if key.startswith(RESUME_MAY_NOT_CHANGE):
+        return False
+    return any(
+        key == allowed or (allowed.endswith(".") and key.startswith(allowed)) for allowed in RESUME_MAY_CHANGE
+    )
+
+
+def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The settings a resume may not change that differ between `saved` and `current`, each as
+    `key: saved -> current` (see [Note: settings a resume may change])."""
+    # as config.json holds them (tuples as lists), so that only values compare
+    old, new = flat_settings(saved), flat_settings(json.loads(json.dumps(current)))
+    return [
+        f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+        for key in sorted(old.keys() | new.keys())
+        if _compared(key, old, new) and old.get(key) != new.get(key) and not _may_change(key)
+    ]
+
+
+def _compared(key: str, old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether `key` is a setting both configs can hold: not one this release no longer has, nor one added
+    since the checkpoint was written (its default is what the older run did), unless the older config
+    held the mapping it belongs to, then empty (`model.overrides: {}`, now with a key)."""
+    if key not in new:
+        return False
+    if key in old:
+        return True
+    parts = key.split(".")
+    return any(".".join(parts[:end]) in old for end in range(1, len(parts)))
+
+
+def check_resume_settings(checkpoint: Path, config: dict[str, Any]) -> None:
+    """Refuse to resume `checkpoint` under a `config` that changes a setting it fixed (see [Note: settings
+    a resume may change]); a checkpoint without its run config is resumed with a warning."""
+    recorded = checkpoint / "config.json"
+    if not recorded.is_file():
+        logger.warning("%s records no run config: the resumed settings cannot be checked", checkpoint)
+        return
+    changed = changed_settings(read_checkpoint_json(recorded), config)
+    if changed:
+        raise ValueError(
+            f"--resume {checkpoint}: the checkpoint was trained with other settings ({'; '.join(changed)}): "
+            "resume with the checkpoint's values, or start a new run (a resume may change only the layout, "
+            "ZeRO, batch split, precision, train.max_steps, and logging, evaluation and saving)"
+        )
+    logger.info(
+        "resuming %s: model, data and optimizer settings are the checkpoint's (unchanged); layout, batch "
+        "split, precision, max_steps, logging, evaluation and saving follow this run's config",
+        checkpoint,
     )
 
 
@@ -103,35 +247,26 @@ class RunCheckpointer:
             write_json(staging / CURVE_FILE, curve.state_dict())  # a resumed run's curve starts with it
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            shutil.rmtree(final, ignore_errors=True)
-            staging.rename(final)
-            write_json_atomic(self.root / LATEST, {"checkpoint": name})
-            self._prune()
+            self._replace(final, staging)
+            self._prune(final)
         accelerator.wait_for_everyone()
         return final
 
+    def _replace(self, final: Path, staging: Path) -> None:
+        """Move the complete `staging` into place as `final` and point `latest` at it. A previous `final`
+        (a resumed run saving a step again) is renamed aside first and deleted last, so that a crash at
+        any point leaves a complete checkpoint where `latest` leads (see `_present_or_set_aside`)."""
+        aside = _set_aside(final)
+        shutil.rmtree(aside, ignore_errors=True)  # left by an earlier save that stopped
+        if final.exists():
+            final.rename(aside)
+        staging.rename(final)
+        write_json_atomic(self.root / LATEST, {"checkpoint": final.name})
+        shutil.rmtree(aside, ignore_errors=True)
+
     def resolve(self, which: str) -> Path:
         """`latest` or a checkpoint directory; there being none is an error naming where it looked."""
-        if which == LATEST:
-            path = latest_checkpoint(self.root)
-            if path is None:
-                raise CheckpointError(
-                    f"--resume latest: {self.root} holds no checkpoint ({self.root / LATEST} does not exist); "
-                    "start a new run without --resume"
-                )
-            return path
-        path = Path(which)
-        if not path.is_dir():
-            raise CheckpointError(f"--resume {which}: no checkpoint directory at {path}")
-        if not engine_directory(path).exists() and is_deepspeed_checkpoint(path):
-            raise CheckpointError(
-                f"--resume {which}: {path} is not a tnlg run checkpoint; it is a DeepSpeed checkpoint: --resume "
-                "continues a tnlg run (its data position, RNG and loss curve with the engine's state); to start "
-                "one from DeepSpeed's weights, convert them (scripts/convert_checkpoint.py --from deepspeed) and "
-                "pass --model.init_from, or load it whole into an engine with engine.load_checkpoint "
-                "(docs/checkpoints.md)"
-            )
-        return path
+        return resolve_checkpoint(self.root, which)
 
     def load(self, which: str, engine, scheduler, fallback: bool = False) -> dict[str, Any]:
         """Restore `which` (`latest` or a directory); with `fallback`, a damaged `latest` gives way to the
@@ -231,7 +366,13 @@ class RunCheckpointer:
             )
         return world, layout
 
-    def _prune(self) -> None:
-        checkpoints = sorted(p for p in self.root.glob("step-*") if p.is_dir())
-        for old in checkpoints[: -self.keep_last]:
+    def _prune(self, written: Path) -> None:
+        """Keep `keep_last` checkpoints: `written` (which `latest` names), then the newest steps before
+        it. Steps after it were left by the timeline a resume from an earlier checkpoint abandoned: they
+        are no continuation of `written`, so they are the first to go (sorting by name alone could
+        delete `written` and keep them)."""
+        others = [p for p in self.root.glob("step-*") if p.is_dir() and p != written]
+        earlier = sorted((p for p in others if p.name < written.name), reverse=True)
+        abandoned = sorted(p for p in others if p.name > written.name)
+        for old in (earlier + abandoned)[self.keep_last - 1 :]:
             shutil.rmtree(old)

@@ -259,7 +259,7 @@ class TrainSection:
     mixed_precision: str = "no"
     eval_every: int = 100
     eval_batches: int = 8
-    save_every: int = 0  # 0: only at the end
+    save_every: int = 0  # checkpoint cadence in steps; 0: none (the final model is still written to model/)
     keep_last: int = 2
     seed: int = 0
     output_dir: str = "runs/pretrain"

@@ -29,9 +29,13 @@ from transformers import PreTrainedTokenizerBase
 
 from tnlg.accelerate import ZeroAccelerator
 from tnlg.modeling import TNLGConfig
-from tnlg.run.activations import enable_activation_checkpointing, offloaded_activations
+from tnlg.run.activations import (
+    check_activation_offload,
+    enable_activation_checkpointing,
+    offloaded_activations,
+)
 from tnlg.run.build import check_init_from, meta_model, model_config, run_tokenizer
-from tnlg.run.checkpoint import RunCheckpointer
+from tnlg.run.checkpoint import RunCheckpointer, check_resume_settings, resolve_checkpoint
 from tnlg.run.config import TrainingConfig
 from tnlg.run.launch_checks import check_ranks_run_the_same_job
 from tnlg.run.metrics import LossCurve, flat_hyperparameters, peak_flops_per_device, tracker_names
@@ -100,8 +104,12 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
     batches, and (with `resume`) everything restored from a checkpoint."""
     train_section = config.train
     check_init_from(config.model.init_from)
+    check_activation_offload(config.model.activation_checkpointing, config.parallel.pipeline)
     output = Path(train_section.output_dir)
+    checkpoints = output / "checkpoints"
     previous_run = check_output_directory(output, resume, train_section.overwrite)
+    if resume is not None:  # before anything is built: a refused resume costs nothing
+        check_resume_settings(resolve_checkpoint(checkpoints, resume), config.to_dict())
     accelerator = ZeroAccelerator(
         zero_config=config.zero.engine_settings(train_section.mixed_precision),
         mixed_precision=train_section.mixed_precision,
@@ -112,27 +120,15 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
         project_config=ProjectConfiguration(project_dir=str(output), logging_dir=str(output / "logs")),
     )
     check_ranks_run_the_same_job(config.to_dict())
-    if previous_run and accelerator.is_main_process:  # train.overwrite: the old run goes first
+    tokenizer = run_tokenizer(job.tokenizer, config.model)
+    architecture = model_config(config.model, tokenizer, job.seq_len)
+    engine, optimizer, scheduler = _build_engine(config, job, accelerator, architecture)
+    # train.overwrite: the old run goes only now, when nothing left can refuse this config (a bad
+    # setting must lose nothing), and before the trackers write the new run's logs/.
+    if previous_run and accelerator.is_main_process:
         remove_run_files(output, previous_run)
     accelerator.wait_for_everyone()
     accelerator.init_trackers(config.logging.project, config=flat_hyperparameters(config.to_dict()))
-    tokenizer = run_tokenizer(job.tokenizer, config.model)
-    architecture = model_config(config.model, tokenizer, job.seq_len)
-    model = (job.build_model or meta_model)(architecture)
-    if config.model.activation_checkpointing.enabled:  # before the engine hooks the blocks
-        enable_activation_checkpointing(model)
-    optimizer = build_optimizer(model, config.optimizer)
-    # The scheduler is stepped by the loop once per optimizer step (Accelerate's wrapper would step it
-    # once per process, for loops whose step counts assume one process), so it is not prepared.
-    scheduler = build_schedule(optimizer, config.optimizer, train_section.max_steps)
-    engine, optimizer = accelerator.prepare_engine(
-        model,
-        optimizer,
-        init_seed=train_section.seed,
-        # the default model is built on the meta device: each rank reads its shards of init_from (of its
-        # pipeline stages' layers and its tensor slices only, under those)
-        pretrained=config.model.init_from if job.build_model is None else None,
-    )
     run = Run(
         config,
         job,
@@ -144,9 +140,7 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
         architecture,
         # Ranks of one tensor group (or pipeline) read the same data: the stream is cut by data rank.
         stream=job.batches(tokenizer, accelerator.data_parallel_rank, accelerator.data_parallel_size),
-        checkpointer=RunCheckpointer(
-            output / "checkpoints", keep_last=train_section.keep_last, accelerator=accelerator
-        ),
+        checkpointer=RunCheckpointer(checkpoints, keep_last=train_section.keep_last, accelerator=accelerator),
         output=output,
         curve=LossCurve(),
         peak_flops=train_section.peak_flops
@@ -158,6 +152,28 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
         run.stream.load_state_dict(restored["data"])
         logger.info("resumed from %s at step %d", restored["path"], run.start_step)
     return run
+
+
+def _build_engine(
+    config: TrainingConfig, job: TrainingJob, accelerator: ZeroAccelerator, architecture: TNLGConfig
+) -> tuple[ZeroEngine, Any, torch.optim.lr_scheduler.LRScheduler]:
+    """The model sharded by the engine, the accelerator's optimizer wrapper and the schedule."""
+    model = (job.build_model or meta_model)(architecture)
+    if config.model.activation_checkpointing.enabled:  # before the engine hooks the blocks
+        enable_activation_checkpointing(model)
+    optimizer = build_optimizer(model, config.optimizer)
+    # The scheduler is stepped by the loop once per optimizer step (Accelerate's wrapper would step it
+    # once per process, for loops whose step counts assume one process), so it is not prepared.
+    scheduler = build_schedule(optimizer, config.optimizer, config.train.max_steps)
+    engine, optimizer = accelerator.prepare_engine(
+        model,
+        optimizer,
+        init_seed=config.train.seed,
+        # the default model is built on the meta device: each rank reads its shards of init_from (of its
+        # pipeline stages' layers and its tensor slices only, under those)
+        pretrained=config.model.init_from if job.build_model is None else None,
+    )
+    return engine, optimizer, scheduler
 
 
 def train_step(run: Run, batches: Iterator[dict[str, torch.Tensor]], step: int) -> dict[str, float]:
@@ -299,9 +315,31 @@ def _handle_nonfinite_loss(run: Run, step: int, loss: float) -> None:
     raise NonFiniteLossError(
         f"step {step}: the mean loss over the ranks is {loss} (train.on_nonfinite_loss=stop). Rank "
         f"{run.accelerator.process_index}'s data position after this step's batches: "
-        f"{json.dumps(run.stream.state_dict())}. Resume from the last checkpoint with "
+        f"{json.dumps(position_counters(run.stream.state_dict()))}. Resume from the last checkpoint with "
         "--train.on_nonfinite_loss skip to step over it, or inspect that data."
     )
+
+
+# A list of at most this many numbers is a counter (a mixture's per-source counts); a longer one, or a
+# list of lists, is a buffer of token ids (megabytes in a shuffle buffer), no position to report.
+COUNTER_LIST_LENGTH = 16
+
+
+def position_counters(state: dict[str, Any]) -> dict[str, Any]:
+    """A data position (`state_dict()` of a batch stream) with its buffers left out: the counters and
+    other scalars, nested as in `state`, enough to find the batch again."""
+    kept: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            nested = position_counters(value)
+            if nested:
+                kept[key] = nested
+        elif isinstance(value, list):
+            if len(value) <= COUNTER_LIST_LENGTH and all(isinstance(item, (int, float)) for item in value):
+                kept[key] = value
+        else:
+            kept[key] = value
+    return kept
 
 
 def train(config: TrainingConfig, job: TrainingJob, resume: str | None = None) -> dict[str, Any]:
@@ -338,9 +376,12 @@ def train(config: TrainingConfig, job: TrainingJob, resume: str | None = None) -
             progress.set_postfix({k: f"{v:.3g}" for k, v in metrics.items()}, refresh=False)
         _after_step(run, step + 1, progress)
     progress.close()
+    # The model is written before the final evaluation, so that an evaluation that fails (a bad
+    # generation setting, a metric's missing package) loses nothing of the training.
+    final = _save_final_model(run)
     if job.evaluate_after and _runs_final_evaluation(run, "after"):
         evaluation["after"] = job.final_evaluation(run.engine, run.tokenizer, run.accelerator)
-    return _finish(run, evaluation)
+    return _finish(run, final, evaluation)
 
 
 def _runs_final_evaluation(run: Run, when: str) -> bool:
@@ -383,9 +424,8 @@ def _export_gpt2(model: Path, target: Path) -> None:
     export_gpt2(model, target, max_shard_size="2GB")
 
 
-def _finish(run: Run, evaluation: dict[str, Any]) -> dict[str, Any]:
-    """The final model, the loss curve, the run config and the evaluation, written into the output
-    directory; then the trackers (and the process group) are closed."""
+def _save_final_model(run: Run) -> Path:
+    """The trained model (and its tokenizer) written to the output directory's model/."""
     accelerator, final = run.accelerator, run.output / "model"
     if run.job.save_model is not None:
         run.job.save_model(accelerator, run.engine, run.tokenizer, final)
@@ -393,6 +433,13 @@ def _finish(run: Run, evaluation: dict[str, Any]) -> dict[str, Any]:
         accelerator.save_model(run.engine, final, max_shard_size="2GB")
         if accelerator.is_main_process:
             run.tokenizer.save_pretrained(final)
+    return final
+
+
+def _finish(run: Run, final: Path, evaluation: dict[str, Any]) -> dict[str, Any]:
+    """The GPT-2 export of the final model, the loss curve, the run config and the evaluation, written
+    into the output directory; then the trackers (and the process group) are closed."""
+    accelerator = run.accelerator
     if accelerator.is_main_process:
         if run.config.train.export_gpt2:
             _export_gpt2(final, run.output / "model-gpt2")

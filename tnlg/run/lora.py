@@ -85,7 +85,10 @@ def save_lora_model(
         peft = _peft()
         adapters = {k: v for k, v in state.items() if "lora_" in k}
         architecture = engine.module.get_base_model().config
-        fresh = peft.get_peft_model(base_model(architecture, init_from, seed), lora_config(section))
+        # The fresh copy's seeded init and adapter draws leave the global generator as it was: the
+        # final evaluation (sampling, if asked for) runs after this and draws as it would have before.
+        with torch.random.fork_rng(devices=[]):
+            fresh = peft.get_peft_model(base_model(architecture, init_from, seed), lora_config(section))
         missing = [k for k in fresh.state_dict() if "lora_" in k and k not in adapters]
         if missing:
             raise RuntimeError(f"the consolidated state lacks adapter weights {missing[:3]}")

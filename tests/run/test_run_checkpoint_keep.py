@@ -1,0 +1,89 @@
+"""Which run checkpoints survive a save: the one just written (which `latest` names) always, then the
+newest steps before it, the steps of a timeline abandoned by a resume from an earlier checkpoint first
+to go; and a checkpoint replaced at its own step is never missing where `latest` leads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tnlg.run.checkpoint import LATEST, RunCheckpointer, latest_checkpoint
+from tnlg.run.metrics import LossCurve
+
+
+class _OneProcess:
+    """The accelerator's part a checkpoint save uses, for one process."""
+
+    process_index = 0
+    is_main_process = True
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+
+class _Engine:
+    """Writes a stand-in engine checkpoint holding the step it was saved at."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def save_checkpoint(self, directory: Path) -> None:
+        directory.mkdir(parents=True)
+        (directory / "manifest.json").write_text(json.dumps({"step": self.step}))
+
+
+def _save(root: Path, keep_last: int, *steps: int) -> None:
+    checkpointer, engine = RunCheckpointer(root, keep_last, _OneProcess()), _Engine()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1)], lr=1.0), lambda _: 1.0)
+    for step in steps:
+        engine.step = step
+        checkpointer.save(step, engine, scheduler, {"batches": step}, {}, LossCurve())
+
+
+def _kept(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir())
+
+
+def _saved_step(checkpoint: Path) -> int:
+    return json.loads((checkpoint / "engine" / "manifest.json").read_text())["step"]
+
+
+@pytest.mark.parametrize(
+    ("keep_last", "kept"),
+    [(1, ["step-00000003"]), (2, ["step-00000002", "step-00000003"]), (3, ["step-00000002", "step-00000003", "step-00000004"])],
+)  # fmt: skip
+def test_a_run_resumed_from_an_earlier_step_keeps_what_it_wrote(tmp_path, keep_last, kept):
+    _save(tmp_path, 2, 2, 4)  # the first run: steps 2 and 4
+    _save(tmp_path, keep_last, 3)  # resumed from step 2, saving step 3
+    assert _kept(tmp_path) == kept
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000003"
+    assert _saved_step(latest_checkpoint(tmp_path)) == 3
+
+
+def test_an_uninterrupted_run_keeps_its_newest_checkpoints(tmp_path):
+    _save(tmp_path, 2, 1, 2, 3, 4)
+    assert _kept(tmp_path) == ["step-00000003", "step-00000004"]
+
+
+def test_a_crash_while_replacing_a_checkpoint_leaves_latest_leading_to_a_complete_one(tmp_path, monkeypatch):
+    _save(tmp_path, 2, 2)
+    real_rename = Path.rename
+
+    def rename(self: Path, target: Path) -> Path:
+        if self.name.endswith(".staging"):  # the process dies before the new checkpoint is in place
+            raise OSError("killed")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(OSError, match="killed"):
+        _save(tmp_path, 2, 2)  # a resumed run saving step 2 again
+    monkeypatch.undo()
+    assert json.loads((tmp_path / LATEST).read_text()) == {"checkpoint": "step-00000002"}
+    previous = latest_checkpoint(tmp_path)
+    assert _saved_step(previous) == 2 and (previous / "rank-00000.json").is_file()
+    _save(tmp_path, 2, 2)  # the next save at that step completes the replacement
+    assert _kept(tmp_path) == ["step-00000002"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
