@@ -89,6 +89,14 @@ def _refuse_step_after_close(optimizer: torch.optim.Optimizer, args: tuple, kwar
     )
 
 
+# [Note: one clipping value]
+# A run clips to one value, as DeepSpeed's engine does: its JSON's `gradient_clipping` is what the step
+# applies (Accelerate's DeepSpeed path ignores clip_grad_norm_'s max_norm; the HF Trainer fills "auto"
+# from max_grad_norm and refuses a different value). So a configured clipping > 0 governs every step;
+# `clip_grad_norm_` with another finite max_norm is an error naming both (inf only asks for the norm,
+# as the HF Trainer does to log it when max_grad_norm is 0), and without configured clipping the
+# call's max_norm applies to the coming step. ZeroTrainer settles max_grad_norm against the config
+# before the engine is built (tnlg/trainer.py).
 class ShardedOptimizer:
     def __init__(
         self,
@@ -158,11 +166,19 @@ class ShardedOptimizer:
             )
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """The global norm now; the coming step clips to `max_norm` (instead of the configured value)."""
+        """The global norm now, reused by the coming step. See [Note: one clipping value]: the configured
+        clipping governs that step; without one, the step clips to `max_norm` (inf: no clipping)."""
         if max_norm <= 0:
             raise ValueError(f"max_norm must be positive, got {max_norm}")
+        configured = self.gradient_clipping
+        if configured > 0 and math.isfinite(max_norm) and max_norm != configured:
+            raise ValueError(
+                f"clip_grad_norm_(max_norm={max_norm}) conflicts with the engine's gradient_clipping "
+                f"{configured} (ZeroConfig.gradient_clipping or the DeepSpeed JSON's): pass max_norm={configured} "
+                "(or inf to read the norm only), or change gradient_clipping"
+            )
         norm = self.grad_norm()
-        self._clip_request = (norm, max_norm)
+        self._clip_request = (norm, configured if configured > 0 else max_norm)
         return norm
 
     def step(self) -> bool:

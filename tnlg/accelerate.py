@@ -16,7 +16,11 @@ The standard Accelerate loop runs unchanged:
 returns the engine as the model; the optimizer comes back wrapped so that it steps only at
 accumulation boundaries, and data loaders and schedulers go through Accelerate as usual.
 Mixed precision is the engine's (16-bit parameters, fp32 master weights, its own loss scaling),
-not autocast and a GradScaler layered on top.
+not autocast and a GradScaler layered on top: `mixed_precision` is read as Accelerate reads it (the
+keyword, else `ACCELERATE_MIXED_PRECISION` from `accelerate launch` / `accelerate config`), and a
+`GradScalerKwargs` handler sets the engine's fp16 loss scaler (init_scale, growth_interval).
+`clip_grad_norm_` follows [Note: one clipping value] in tnlg/sharding/optimizer.py: a configured
+`gradient_clipping` governs, and a call with another finite max_norm is an error.
 
 Selecting the engine from a launch: without `zero_config`, the environment decides:
 `TNLG_ZERO_CONFIG` (a DeepSpeed-style JSON or a ZeroConfig JSON), else `TNLG_ZERO_STAGE` (with
@@ -27,7 +31,8 @@ A DeepSpeed JSON's training keys, as Accelerate's own DeepSpeed integration trea
 Accelerator drives gradient accumulation (`accumulate()`, `no_sync`, an optimizer wrapper that steps
 at boundaries), so it adopts the JSON's `gradient_accumulation_steps` when it was given none, refuses
 a different one, and the engine accumulates nothing itself; the batch keys are checked against the
-world size; an `optimizer` section, or a `scheduler` section next to a scheduler passed to `prepare`,
+data-parallel size (`data_parallel_size`: replicas, not tensor slices or pipeline stages), as DeepSpeed
+multiplies them; an `optimizer` section, or a `scheduler` section next to a scheduler passed to `prepare`,
 is an error naming both (the objects passed to `prepare` are the ones trained with). A `scheduler`
 section alone is built by the engine over your optimizer and stepped with it.
 
@@ -52,7 +57,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DynamoBackend, TorchDynamoPlugin
+from accelerate.utils import DynamoBackend, GradScalerKwargs, TorchDynamoPlugin, parse_choice_from_env
 from torch import nn
 
 from tnlg.sharding import CompileConfig, DeepSpeedConfig, ParallelDims, ZeroConfig, ZeroEngine, initialize
@@ -121,6 +126,84 @@ def _given_accumulation(given: Mapping[str, Any]) -> int | None:
             "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"]
         )
     return given.get("gradient_accumulation_steps")
+
+
+def _launch_mixed_precision(given: Mapping[str, Any]) -> tuple[str, str]:
+    """The mixed precision Accelerate itself will run at (the keyword, else `ACCELERATE_MIXED_PRECISION`,
+    which `accelerate launch --mixed_precision` and `accelerate config` set), and how to name it in errors.
+    Read before the engine settings are made, so that the launcher's value fills and checks them."""
+    keyword = given.get("mixed_precision")
+    if keyword is not None:
+        value = keyword.lower()
+        return value, f"the Accelerator's mixed_precision={value!r}"
+    value = parse_choice_from_env("ACCELERATE_MIXED_PRECISION", "no").lower()
+    return (
+        value,
+        f"ACCELERATE_MIXED_PRECISION={value} (accelerate launch --mixed_precision / accelerate config)",
+    )
+
+
+def _refuse_another_state_precision(running: Any, resolved: str) -> None:
+    """Accelerate's shared state, made by an earlier Accelerator, keeps that one's mixed precision: the
+    engine was set up for `resolved`, so a different one would autocast around an engine of another dtype."""
+    running = str(getattr(running, "value", running)).lower()
+    if running != resolved:
+        raise ValueError(
+            f"Accelerate's state already runs at mixed_precision={running!r} (an earlier Accelerator set it) but "
+            f"this ZeroAccelerator was set up for {resolved!r}: pass mixed_precision={running!r} or reset "
+            "Accelerate's state first"
+        )
+
+
+# The loss-scale fields a GradScalerKwargs handler sets, as ZeroConfig fields and the DeepSpeed keys for them.
+_SCALER_FIELDS = {"init_scale": "initial_loss_scale", "growth_interval": "loss_scale_window"}
+_SCALER_FIXED = {"growth_factor": 2.0, "backoff_factor": 0.5, "enabled": True}
+_LOSS_SCALE_KEYS = (
+    "ZeroConfig initial_loss_scale / loss_scale_window (DeepSpeed JSON fp16.initial_scale_power / "
+    "fp16.loss_scale_window)"
+)
+
+
+def _with_grad_scaler_kwargs(settings: DeepSpeedConfig, given: Mapping[str, Any]) -> DeepSpeedConfig:
+    """`settings` with a `GradScalerKwargs` handler applied to the engine's fp16 loss scaler, which plays
+    the GradScaler's part: init_scale is its initial scale, growth_interval its window. Its scaler doubles
+    and halves, so another growth / backoff factor (or enabled=False) is refused; so is a value that
+    differs from a loss-scale setting the config states itself."""
+    handler = next((h for h in given.get("kwargs_handlers") or () if isinstance(h, GradScalerKwargs)), None)
+    if handler is None or settings.zero.mixed_precision != "fp16":
+        return settings  # Accelerate applies the handler only to an fp16 GradScaler too
+    changed = handler.to_kwargs()  # the values that differ from the handler's defaults
+    fixed = {name: changed[name] for name in _SCALER_FIXED if name in changed}
+    if fixed:
+        shown = ", ".join(f"{name}={value}" for name, value in fixed.items())
+        raise ValueError(
+            f"GradScalerKwargs({shown}): the ZeRO engine's fp16 loss scaler doubles and halves its scale and "
+            f"cannot be disabled under fp16; set {_LOSS_SCALE_KEYS}, hysteresis and min_loss_scale instead"
+        )
+    changes = {_SCALER_FIELDS[name]: value for name, value in changed.items() if name in _SCALER_FIELDS}
+    if not changes:
+        return settings
+    if settings.zero.static_loss_scale is not None:
+        raise ValueError(
+            f"GradScalerKwargs asks for a dynamic loss scale but {settings.source} sets a static one "
+            f"({settings.zero.static_loss_scale}): keep one of them"
+        )
+    for field, value in changes.items():
+        current = getattr(settings.zero, field)
+        if _states_field(settings, field) and current != value:
+            raise ValueError(
+                f"GradScalerKwargs sets {field} {value} but {settings.source} sets {current}: give the loss "
+                f"scale in one place ({_LOSS_SCALE_KEYS})"
+            )
+    return dataclasses.replace(settings, zero=settings.zero.replace(**changes))
+
+
+def _states_field(settings: DeepSpeedConfig, field: str) -> bool:
+    """Whether the config states `field` itself: a JSON key set it, or a ZeroConfig holds a non-default."""
+    if field in settings.zero_sources:
+        return True
+    default = next(f.default for f in dataclasses.fields(ZeroConfig) if f.name == field)
+    return getattr(settings.zero, field) != default
 
 
 class EngineOptimizer(torch.optim.Optimizer):
@@ -260,7 +343,7 @@ class ZeroAccelerator(Accelerator):
         **kwargs: Any,
     ):
         given = inspect.signature(Accelerator.__init__).bind_partial(None, *args, **kwargs).arguments
-        mixed_precision = given.get("mixed_precision")
+        mixed_precision, named = _launch_mixed_precision(given)
         accumulation = _given_accumulation(given)
         auto = {"mixed_precision": mixed_precision} if mixed_precision else {}
         if accumulation is not None:
@@ -270,9 +353,7 @@ class ZeroAccelerator(Accelerator):
         )
         # The engine settings (with a DeepSpeed JSON's training part) and their ZeroConfig.
         self.zero_settings = (
-            settings.with_mixed_precision(
-                mixed_precision, f"the Accelerator's mixed_precision={mixed_precision!r}"
-            )
+            _with_grad_scaler_kwargs(settings.with_mixed_precision(mixed_precision, named), given)
             if settings is not None
             else None
         )
@@ -288,6 +369,8 @@ class ZeroAccelerator(Accelerator):
             raise ValueError("parallel= needs the ZeRO engine on (zero_config or TNLG_ZERO_* settings)")
         with _accelerate_parallelism_hidden(self.parallel_dims is not None):
             super().__init__(*args, **kwargs)
+        if self.zero_config is not None:
+            _refuse_another_state_precision(self.mixed_precision, mixed_precision)
         self.parallel_groups = None
         if self.parallel_dims is not None:
             # The (pipeline, data, tensor) grid, under Accelerate's mesh names: its data loaders then give a
@@ -313,14 +396,17 @@ class ZeroAccelerator(Accelerator):
 
     def _take_accumulation(self, settings: DeepSpeedConfig, given: int | None) -> DeepSpeedConfig:
         """The Accelerator accumulates (see the module docs): it adopts the steps the config sets or
-        implies, refuses different ones it was given, checks the batch keys against the world size, and
+        implies, refuses different ones it was given, checks the batch keys against the data-parallel size, and
         leaves the engine an accumulation of 1 (no double accumulation)."""
         training = settings.training
-        implied = training.implied_accumulation(self.num_processes)
+        # DeepSpeed's train_batch_size counts data-parallel replicas: tensor slices and pipeline stages
+        # of one replica read the same samples.
+        replicas = self.data_parallel_size
+        implied = training.implied_accumulation(replicas)
         steps = implied if implied is not None else self.gradient_accumulation_steps
         dataclasses.replace(
             settings, training=training.replace(gradient_accumulation_steps=steps)
-        ).batch_sizes(self.num_processes)
+        ).batch_sizes(replicas)
         if implied is not None and given is not None and implied != given:
             raise ValueError(
                 f"gradient accumulation: {settings.source} sets {implied} steps but the Accelerator was given "

@@ -14,6 +14,11 @@ neither, it is a plain `Trainer`. What the engine changes:
   decay groups, is rebuilt over the shards in place, so the Trainer's scheduler keeps driving it).
 - `bf16=True` / `fp16=True` select the engine's mixed precision (16-bit parameters, fp32 master
   weights, the engine's loss scaling); `max_grad_norm` clips the true global norm over all shards.
+  It is the run's one clipping value: the config's `gradient_clipping` must equal it (unset or "auto"
+  takes it), as the HF Trainer requires of a DeepSpeed JSON.
+- A DeepSpeed JSON's batch keys must be "auto" or what TrainingArguments say
+  (gradient_accumulation_steps, per_device_train_batch_size, their product with the data-parallel size),
+  and its `scheduler` section is refused: the Trainer's scheduler (TrainingArguments) is the one.
 - Gradient accumulation stays the Trainer's: the engine's `no_sync` on the inner micro-batches.
 - `save_model` consolidates the parameters on the main process (every rank takes part) and refuses to
   write an empty model, the ZeRO-3 failure DeepSpeed users meet under Trainer.
@@ -26,6 +31,7 @@ neither, it is a plain `Trainer`. What the engine changes:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -33,15 +39,93 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 
-from tnlg.accelerate import ZeroAccelerator
-from tnlg.sharding import ZeroConfig, ZeroEngine
+from tnlg.accelerate import ZeroAccelerator, settings_from_environment
+from tnlg.sharding import DeepSpeedConfig, ZeroConfig, ZeroEngine
 from tnlg.sharding.checkpoint import engine_directory
+from tnlg.sharding.deepspeed import TrainingConfig, engine_settings
 from tnlg.sharding.deepspeed.zero_checkpoint import is_deepspeed_checkpoint
 from tnlg.state_files import read_scheduler_states, write_scheduler_states
 
 logger = logging.getLogger(__name__)
+
+
+def _config_name(settings: DeepSpeedConfig) -> str:
+    return (
+        settings.source
+        if settings.zero_sources or settings.training != TrainingConfig()
+        else "the ZeroConfig"
+    )
+
+
+def _with_max_grad_norm(settings: DeepSpeedConfig, max_grad_norm: float) -> DeepSpeedConfig:
+    """One clipping value (see [Note: one clipping value] in tnlg/sharding/optimizer.py): the Trainer clips
+    with max_grad_norm every step, so the config's clipping must be the same (as the HF Trainer requires
+    of a DeepSpeed JSON); a config that leaves it unset (or "auto") takes max_grad_norm."""
+    configured = settings.zero.gradient_clipping
+    stated = "gradient_clipping" in settings.zero_sources or configured > 0
+    if stated and configured != max_grad_norm:
+        raise ValueError(
+            f"TrainingArguments.max_grad_norm={max_grad_norm} conflicts with gradient_clipping {configured} in "
+            f'{_config_name(settings)}: set them equal (or leave gradient_clipping unset / "auto", which takes '
+            "max_grad_norm)"
+        )
+    return dataclasses.replace(settings, zero=settings.zero.replace(gradient_clipping=max_grad_norm))
+
+
+def _refuse_a_scheduler_section(settings: DeepSpeedConfig) -> None:
+    """The Trainer builds and steps its own scheduler (lr_scheduler_type): a JSON scheduler stepped by the
+    engine as well would change the learning rate twice per step, one of them silently winning."""
+    section = settings.training.scheduler
+    if section is not None:
+        raise ValueError(
+            f"{settings.source} has a scheduler section ({section.type}), but ZeroTrainer schedules the learning "
+            "rate from TrainingArguments: remove the section and set lr_scheduler_type, warmup_steps and "
+            "lr_scheduler_kwargs there (or pass optimizers=(optimizer, scheduler))"
+        )
+
+
+# What TrainingArguments says each batch key must be, given the data-parallel size.
+_BATCH_KEY_MEANINGS = {
+    "gradient_accumulation_steps": "TrainingArguments.gradient_accumulation_steps",
+    "train_micro_batch_size_per_gpu": "TrainingArguments.per_device_train_batch_size",
+    "train_batch_size": "per_device_train_batch_size x gradient_accumulation_steps x {replicas} data-parallel "
+    "processes",
+}
+
+
+def _check_batch_keys(settings: DeepSpeedConfig, args: TrainingArguments, replicas: int) -> None:
+    """The HF Trainer's rule for a DeepSpeed JSON: its batch keys are "auto" or what TrainingArguments
+    say (the Trainer builds the loader and accumulates; the JSON cannot change either)."""
+    micro, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    expected = {
+        "gradient_accumulation_steps": steps,
+        "train_micro_batch_size_per_gpu": micro,
+        "train_batch_size": micro * steps * replicas,
+    }
+    for key, value in expected.items():
+        written = getattr(settings.training, key)
+        if written is not None and written != value:
+            meaning = _BATCH_KEY_MEANINGS[key].format(replicas=replicas)
+            raise ValueError(
+                f"{settings.source} sets {key} {written} but the Trainer trains with {meaning} = {value}: set "
+                'them equal (or write "auto" in the JSON, which takes the Trainer\'s value)'
+            )
+
+
+def _without_batch_keys(settings: DeepSpeedConfig, args: TrainingArguments) -> DeepSpeedConfig:
+    """What the accelerator is given: the Trainer accumulates itself (its Accelerator steps every
+    micro-batch), so the JSON's accumulation and global batch stay out of it once checked against
+    TrainingArguments (`_check_batch_keys`); a micro batch key is the Trainer's, so the engine reports it."""
+    training = settings.training
+    micro = args.per_device_train_batch_size if training.train_micro_batch_size_per_gpu is not None else None
+    return dataclasses.replace(
+        settings,
+        training=training.replace(
+            gradient_accumulation_steps=None, train_batch_size=None, train_micro_batch_size_per_gpu=micro
+        ),
+    )
 
 
 class ZeroTrainer(Trainer):
@@ -67,9 +151,13 @@ class ZeroTrainer(Trainer):
         super().create_accelerator_and_postprocess()
         if self._accelerator_arguments is None:
             raise RuntimeError("Trainer did not build its accelerator through _build_accelerator_args")
-        accelerator = ZeroAccelerator(zero_config=self._zero_config_argument, **self._accelerator_arguments)
-        if accelerator.zero_config is None:
+        settings = self._engine_settings(self._accelerator_arguments.get("mixed_precision"))
+        if settings is None:
             return  # no ZeRO requested anywhere: the plain Trainer
+        accelerator = ZeroAccelerator(
+            zero_config=_without_batch_keys(settings, self.args), **self._accelerator_arguments
+        )
+        _check_batch_keys(settings, self.args, accelerator.data_parallel_size)
         asked = self.args.deepspeed or self.args.fsdp or self.args.fsdp_plugin_args is not None
         if asked or self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
@@ -82,6 +170,25 @@ class ZeroTrainer(Trainer):
             self.gather_function = functools.partial(
                 self.gather_function, use_gather_object=self.args.eval_use_gather_object
             )
+
+    def _engine_settings(self, mixed_precision: str | None) -> DeepSpeedConfig | None:
+        """The engine settings (the argument's, else the launch's `TNLG_ZERO_*`), with a DeepSpeed JSON's
+        "auto" values filled from TrainingArguments as the HF Trainer fills them for DeepSpeed, its
+        clipping settled against max_grad_norm, and a scheduler section refused; None without ZeRO."""
+        max_grad_norm = float(self.args.max_grad_norm or 0.0)
+        auto: dict[str, Any] = {
+            "gradient_clipping": max_grad_norm,
+            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+            "train_micro_batch_size_per_gpu": self.args.per_device_train_batch_size,
+        }
+        if mixed_precision:
+            auto["mixed_precision"] = mixed_precision
+        argument = self._zero_config_argument
+        settings = settings_from_environment(auto) if argument is None else engine_settings(argument, **auto)
+        if settings is None:
+            return None
+        _refuse_a_scheduler_section(settings)
+        return _with_max_grad_norm(settings, max_grad_norm)
 
     @property
     def engine(self) -> ZeroEngine | None:
