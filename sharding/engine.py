@@ -283,10 +283,10 @@ class ZeroEngine(nn.Module):
         return self._micro_batch_size
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """The global gradient norm (over every rank's shard); the next `step` clips it to `max_norm`.
-
-        For `Accelerator.clip_grad_norm_`-style loops; `ZeroConfig.gradient_clipping` does the same
-        for every step without a call.
+        """The global gradient norm (over every rank's shard); the next `step` clips it to `max_norm`,
+        unless `ZeroConfig.gradient_clipping` is set, which clips every step without a call and then
+        governs: a different finite `max_norm` is an error, inf reads the norm only (see [Note: one
+        clipping value] in optimizer.py).
         """
         self._require_optimizer("clip_grad_norm_")
         return self.optimizer.clip_grad_norm_(max_norm)

@@ -3,6 +3,8 @@ config is read, each by its dotted name."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tnlg.run.config import load_run_config
@@ -97,3 +99,22 @@ def test_yaml_boolean_spellings_are_text_in_text_fields(tmp_path):
 def test_a_yes_in_a_number_field_is_still_refused():
     with pytest.raises(ValueError, match=r"train\.max_steps: expected int, got True"):
         load_run_config(None, ["--train.max_steps", "yes"])
+
+
+@pytest.mark.parametrize(("written", "refused"), [(2, True), (8, False), ("auto", False)])
+def test_a_deepspeed_micro_batch_must_be_the_runs(tmp_path, written, refused):
+    from tnlg.run.loop import check_deepspeed_micro_batch
+
+    path = tmp_path / "ds.json"
+    path.write_text(
+        json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": written})
+    )
+    config = load_run_config(None, ["--zero.deepspeed", str(path), "--train.micro_batch_size", "8"])
+    settings = config.zero.engine_settings(config.train.mixed_precision)
+    if refused:
+        with pytest.raises(
+            ValueError, match=r"sets train_micro_batch_size_per_gpu 2 but train\.micro_batch_size is 8"
+        ):
+            check_deepspeed_micro_batch(settings, config.train.micro_batch_size)
+    else:
+        check_deepspeed_micro_batch(settings, config.train.micro_batch_size)

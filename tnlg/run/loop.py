@@ -41,7 +41,7 @@ from tnlg.run.launch_checks import check_ranks_run_the_same_job
 from tnlg.run.metrics import LossCurve, flat_hyperparameters, peak_flops_per_device, tracker_names
 from tnlg.run.optim import build_optimizer, build_schedule
 from tnlg.run.output import check_output_directory, remove_run_files
-from tnlg.sharding import ZeroEngine
+from tnlg.sharding import DeepSpeedConfig, ZeroEngine
 from tnlg.tools.convert.to_gpt2 import export_gpt2
 
 logger = logging.getLogger(__name__)
@@ -110,8 +110,10 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
     previous_run = check_output_directory(output, resume, train_section.overwrite)
     if resume is not None:  # before anything is built: a refused resume costs nothing
         check_resume_settings(resolve_checkpoint(checkpoints, resume), config.to_dict())
+    engine_settings = config.zero.engine_settings(train_section.mixed_precision)
+    check_deepspeed_micro_batch(engine_settings, train_section.micro_batch_size)
     accelerator = ZeroAccelerator(
-        zero_config=config.zero.engine_settings(train_section.mixed_precision),
+        zero_config=engine_settings,
         mixed_precision=train_section.mixed_precision,
         gradient_accumulation_steps=train_section.gradient_accumulation_steps,
         parallel=config.parallel.dims(),
@@ -144,7 +146,8 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
         output=output,
         curve=LossCurve(),
         peak_flops=train_section.peak_flops
-        or peak_flops_per_device(accelerator.device, train_section.mixed_precision),
+        # the engine's precision: a zero.deepspeed JSON enables bf16 or fp16 under train.mixed_precision "no"
+        or peak_flops_per_device(accelerator.device, accelerator.zero_settings.zero.mixed_precision),
     )
     if resume is not None:
         restored = run.checkpointer.load(resume, engine, scheduler, fallback=train_section.resume_fallback)
@@ -152,6 +155,18 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
         run.stream.load_state_dict(restored["data"])
         logger.info("resumed from %s at step %d", restored["path"], run.start_step)
     return run
+
+
+def check_deepspeed_micro_batch(settings: DeepSpeedConfig, micro_batch_size: int) -> None:
+    """A zero.deepspeed JSON's train_micro_batch_size_per_gpu must be the run's train.micro_batch_size:
+    the run's loader makes the batches, so another value in the JSON would be silently not applied (and
+    its train_batch_size checked against a batch the run does not train with)."""
+    written = settings.training.train_micro_batch_size_per_gpu
+    if written is not None and written != micro_batch_size:
+        raise ValueError(
+            f"{settings.source} sets train_micro_batch_size_per_gpu {written} but train.micro_batch_size is "
+            f'{micro_batch_size}: set them equal (or write "auto" in the JSON)'
+        )
 
 
 def _build_engine(
