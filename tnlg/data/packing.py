@@ -22,6 +22,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from .sources import DocumentReader
+from .tokenizer import encode_texts
 
 TOKENIZE_BATCH = 64  # documents tokenized per call: the fast tokenizer parallelises within a call
 
@@ -64,7 +65,7 @@ class PackedSource:
 
     def _refill(self) -> None:
         texts = [next(self._documents).text for _ in range(TOKENIZE_BATCH)]
-        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        encoded = encode_texts(self.tokenizer, texts)  # [Note: special-token text] in tokenizer.py
         pieces = [self._buffer]
         for ids in encoded:
             pieces.append(np.asarray(ids, dtype=np.int64))

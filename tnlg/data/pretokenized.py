@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -31,11 +32,13 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from .files import DamagedFileError
+from .tokenizer import encode_texts, tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 WRITE_BATCH = 256  # documents tokenized per call
+MAX_SCANNED_BYTES = 64 << 20  # a corpus without a recorded largest id is scanned when this small
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -76,14 +79,16 @@ def _write_staged(
     eos = tokenizer.eos_token_id
     dtype = token_dtype(len(tokenizer))
     offsets = [0]
+    max_id = [eos]
     with open(staged[".bin"], "wb") as tokens_file:
         batch: list[str] = []
 
         def flush() -> None:
-            for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+            for ids in encode_texts(tokenizer, batch):  # [Note: special-token text] in tokenizer.py
                 array = np.asarray([*ids, eos], dtype=dtype)
                 tokens_file.write(array.tobytes())
                 offsets.append(offsets[-1] + len(array))
+                max_id[0] = max(max_id[0], int(array.max()))
             if progress is not None:
                 progress.update(len(batch))
             batch.clear()
@@ -102,7 +107,9 @@ def _write_staged(
         "eos_token_id": eos,
         "documents": len(offsets) - 1,
         "tokens": offsets[-1],
+        "max_token_id": max_id[0],  # checked when the corpus is opened, without reading it whole
         "tokenizer": getattr(tokenizer, "name_or_path", "") or "",
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
     }
     staged[".json"].write_text(json.dumps(meta, indent=2))
     return meta
@@ -128,6 +135,7 @@ class PretokenizedCorpus:
                 f"{bin_path.stat().st_size}: truncated or missing data",
             )
         self.tokens = np.memmap(bin_path, dtype=np.dtype(self.meta["dtype"]), mode="r")
+        self._check_token_ids(bin_path)
         self.seq_len = seq_len
         self.num_sequences = len(self.tokens) // seq_len
         if self.num_sequences == 0:
@@ -137,6 +145,46 @@ class PretokenizedCorpus:
 
     def __len__(self) -> int:
         return self.num_sequences
+
+    def _check_token_ids(self, bin_path: Path) -> None:
+        """An id at or above the vocabulary would fail deep in the model (an index error, a device
+        assert): refuse it here, naming the file. Files record their largest id; for older ones only a
+        small file is scanned (np.max over a memmap reads it whole)."""
+        largest = self.meta.get("max_token_id")
+        if largest is None and self.tokens.nbytes <= MAX_SCANNED_BYTES and len(self.tokens):
+            largest = int(self.tokens.max())
+        if largest is not None and largest >= self.meta["vocab_size"]:
+            raise DamagedFileError(
+                bin_path,
+                f"it holds token id {largest}, beyond its vocabulary of {self.meta['vocab_size']} tokens",
+            )
+
+    def check_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Refuse a run tokenizer other than the one this corpus was written with.
+
+        [Note: corpus tokenizer]
+        A corpus's ids mean text only under the tokenizer that wrote them: training on them with
+        another one (even of the same size) teaches the model the wrong text, and its end-of-text id
+        marks no document end. The metadata records the vocabulary size, the end-of-text id and (files
+        written since) a fingerprint of the vocabulary (tokenizer.py); all that is recorded must match.
+        """
+        recorded = {
+            "vocab_size": (self.meta["vocab_size"], len(tokenizer)),
+            "eos_token_id": (self.meta["eos_token_id"], tokenizer.eos_token_id),
+        }
+        if "tokenizer_fingerprint" in self.meta:  # files written before fingerprints: what is recorded
+            recorded["vocabulary fingerprint"] = (
+                self.meta["tokenizer_fingerprint"],
+                tokenizer_fingerprint(tokenizer),
+            )
+        differ = [f"{key} {corpus} vs {run}" for key, (corpus, run) in recorded.items() if corpus != run]
+        if differ:
+            raise ValueError(
+                f"{self.prefix} was tokenized with another tokenizer ({self.meta.get('tokenizer') or 'unnamed'}) "
+                f"than this run's ({getattr(tokenizer, 'name_or_path', '') or 'unnamed'}): corpus vs run "
+                f"{', '.join(differ)}; set data.tokenizer to the corpus's tokenizer, or prepare the corpus again "
+                "with this one (scripts/prepare_data.py)"
+            )
 
     def __getitem__(self, index: int) -> np.ndarray:
         start = index * self.seq_len
@@ -181,6 +229,13 @@ class PretokenizedStream(torch.utils.data.IterableDataset):
             raise ValueError("one weight per corpus, and at least one corpus")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        for corpus, weight in zip(corpora, weights, strict=True):
+            if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+                # A zero weight would starve its corpus silently; leave a corpus out to not train on it.
+                raise ValueError(
+                    f"pre-tokenized corpus {corpus.prefix}: weight must be a finite number > 0, got {weight!r}; "
+                    "leave the corpus out instead of weighting it 0"
+                )
         self.corpora, self.batch_size, self.seed = list(corpora), batch_size, seed
         self.rank, self.world_size = rank, world_size
         total = float(sum(weights))

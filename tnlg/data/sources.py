@@ -1,8 +1,8 @@
 """Reading the documents of one corpus source, one rank's share, with an exact resumable position.
 
-A source is a list of files (globs allowed): `.jsonl`, `.jsonl.zst`, `.jsonl.gz` (Pile-style: one
-JSON object per line, the text under `text_field`, the Pile's subset name under
-`meta.pile_set_name`), or `.parquet` (read through `datasets` streaming, one row per record).
+A source is a list of files (globs allowed): `.jsonl`, `.jsonl.zst`, `.jsonl.gz`, `.json` (Pile-style:
+one JSON object per line, or in a `.json` file a JSON array of them; the text under `text_field`, the
+Pile's subset name under `meta.pile_set_name`), or `.parquet` (read through `datasets` streaming, one row per record).
 Instead of files, a source can name a `datasets` dataset (`dataset=`, with `dataset_config` and
 `split`): a hub name when the hub is reachable, or a local dataset directory; it is read with
 `load_dataset(..., streaming=True)`, its rows numbered in the split's order like one file's lines.
@@ -147,6 +147,7 @@ class DocumentReader:
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.on_bad_record = on_bad_record
         self.stats = SourceStats()
+        self._skipped_when_logged = 0  # skipped and filtered records at the last epoch's log line
         self.epoch = 0
         self.file_index = 0  # position in this epoch's file order
         self.record = 0  # next record (line / row) to read in the current file
@@ -164,14 +165,48 @@ class DocumentReader:
             "documents": self.stats.documents,
             "skipped": dict(self.stats.skipped),
             "filtered": self.stats.filtered,
+            "files": self.file_listing(),
         }
+
+    def file_listing(self) -> list[list[Any]]:
+        """[name, size in bytes] of each file (size None for a dataset split): what a position is into.
+
+        [Note: resumed file list]
+        The position (file index, record) means the same documents only over the same files: a glob
+        that matches other files after a restart (one added, one removed, one rewritten) would resume
+        silently into other documents. The state records the files and `load_state_dict` refuses another
+        list; a state without it (saved before) is accepted with a warning.
+        """
+        return [[str(f), f.stat().st_size if isinstance(f, Path) else None] for f in self.files]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["source"] != self.source.name:
             raise ValueError(f"reader state is for source {state['source']!r}, not {self.source.name!r}")
+        self._check_same_files(state.get("files"))
         self.epoch, self.file_index = int(state["epoch"]), int(state["file_index"])
         self.record, self.seen = int(state["record"]), int(state["seen"])
         self.stats = SourceStats(int(state["documents"]), Counter(state["skipped"]), int(state["filtered"]))
+
+    def _check_same_files(self, saved: list[list[Any]] | None) -> None:
+        """[Note: resumed file list]: refuse a resume over other files than the saved position's."""
+        if saved is None:
+            logger.warning(
+                "source %r: the saved data position does not record its files (saved by an older version): "
+                "resuming assumes %s are the same files as then",
+                self.source.name,
+                _some(self.files),
+            )
+            return
+        before, now = {name: size for name, size in saved}, {name: size for name, size in self.file_listing()}
+        added, removed = sorted(now.keys() - before.keys()), sorted(before.keys() - now.keys())
+        resized = sorted(name for name in now.keys() & before.keys() if now[name] != before[name])
+        if added or removed or resized:
+            raise ValueError(
+                f"source {self.source.name!r}: its files changed since the data position was saved (added: "
+                f"{added or 'none'}; removed: {removed or 'none'}; changed size: {resized or 'none'}), so the "
+                "position would point into other documents; restore those files, or start the data from the "
+                "beginning (a new run)"
+            )
 
     # ------------------------------------------------------------------ reading
     def file_order(self, epoch: int) -> list[Path | DatasetSplit]:
@@ -207,19 +242,45 @@ class DocumentReader:
                     f"{self.world_size} no document in a whole epoch ({self.seen} records, skipped: "
                     f"{dict(self.stats.skipped)}, other Pile subsets: {self.stats.filtered})"
                 )
+            self._log_epoch_end()
             self.epoch += 1
             self.file_index = 0
             self.seen = 0
+
+    def _log_epoch_end(self) -> None:
+        # Only the first bad records are logged one by one: the totals reach the user here. At info the
+        # first time a source starts over and whenever an epoch skipped more records; other epochs at
+        # debug (a small corpus starts over every few steps: 137 lines in the README's 300-step run).
+        skipped = sum(self.stats.skipped.values()) + self.stats.filtered
+        news = self.epoch == 0 or skipped > self._skipped_when_logged
+        self._skipped_when_logged = skipped
+        logger.log(
+            logging.INFO if news else logging.DEBUG,
+            "source %r (rank %d of %d): epoch %d read, starting epoch %d; so far %d documents, bad records "
+            "skipped: %s, other Pile subsets: %d",
+            self.source.name,
+            self.rank,
+            self.world_size,
+            self.epoch,
+            self.epoch + 1,
+            self.stats.documents,
+            dict(self.stats.skipped) or "none",
+            self.stats.filtered,
+        )
 
     def _read_file(self, path: Path | DatasetSplit) -> Iterator[Document]:
         if isinstance(path, DatasetSplit):
             records = _dataset_records(path)
         elif path.name.endswith(".parquet"):
             records = _parquet_records(path)
+        elif path.name.endswith(".json"):
+            records = _json_records(path)
         else:
             records = read_lines(path)
+        resumed_at, available = self.record, 0
         try:
             for index, raw in enumerate(records):
+                available = index + 1
                 if index < self.record:
                     continue  # before the resumed position (already consumed)
                 mine = (self.seen + index) % self.world_size == self.rank
@@ -232,6 +293,11 @@ class DocumentReader:
                     yield document
         except OSError as error:
             raise OSError(f"source {self.source.name!r}: cannot read {path}: {error}") from error
+        if available < resumed_at:
+            raise ValueError(
+                f"source {self.source.name!r}: {path} holds {available} records, but the saved data position "
+                f"is at record {resumed_at} of it: the file changed since; restore it, or start the data anew"
+            )
         self.seen += self.record
 
     def _parse(self, raw: bytes | dict, path: Path | DatasetSplit, line: int) -> Document | None:
@@ -274,6 +340,23 @@ class DocumentReader:
             self._logged += 1
             logger.warning("skipping %s", message)
         return None
+
+
+def _json_records(path: Path) -> Iterator[bytes | dict]:
+    """A `.json` file's records: the elements of a JSON array (as `datasets`' json loader reads one),
+    else its lines (JSON lines under a .json name). An array is read whole, as `datasets` does."""
+    with open(path, "rb") as file:
+        head = file.read(4096).lstrip()
+    if not head.startswith(b"["):
+        yield from read_lines(path)
+        return
+    try:
+        rows = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DamagedFileError(path, f"it starts as a JSON array but is not valid JSON ({error})") from error
+    if not isinstance(rows, list):
+        raise DamagedFileError(path, f"it holds a JSON {type(rows).__name__}, not an array of records")
+    yield from rows
 
 
 def _parquet_records(path: Path) -> Iterator[dict]:

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from .tokenizer import encode_text
+
 IGNORE_INDEX = -100
 
 
@@ -168,10 +170,11 @@ def _encode(values: dict[str, Any], task: TaskFormat, tokenizer) -> dict[str, li
     text = {k: v for k, v in values.items() if k != "references"}
 
     def tokens(piece: str) -> list[int]:
-        return tokenizer(piece.format(**text), add_special_tokens=False)["input_ids"] if piece else []
+        return encode_text(tokenizer, piece.format(**text)) if piece else []
 
     prefix, suffix = tokens(before), tokens(after)
-    long_ids = tokenizer(str(text[long_field]), add_special_tokens=False)["input_ids"]
+    # Field text is data: special-token text in it stays text ([Note: special-token text] in tokenizer.py).
+    long_ids = encode_text(tokenizer, str(text[long_field]))
     target = tokens(task.target)
     if task.add_eos:
         if tokenizer.eos_token_id is None:

@@ -10,6 +10,8 @@ tokenizer is at hand (tests, byte-level runs).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -136,6 +138,33 @@ def has_tokenizer(directory: str | Path) -> bool:
     """Whether a checkpoint directory holds a saved tokenizer (fast `tokenizer.json`, or the
     `tokenizer_config.json` every Transformers tokenizer saves)."""
     return any((Path(directory) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    """The token ids of each text, with special-token text kept as text.
+
+    [Note: special-token text]
+    Corpus documents and task fields are data: a document that quotes `<|endoftext|>` must not get a
+    real end-of-text token inside it (a false document boundary in packing, a false end in a prompt).
+    `split_special_tokens=True` encodes such text as ordinary characters; the one end-of-text token is
+    added by the caller where a document (or target) really ends: packing.py, pretokenized.py, tasks.py.
+    """
+    return tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """`encode_texts` for one text."""
+    return encode_texts(tokenizer, [text])[0]
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A short hash of the tokenizer's vocabulary (every token and its id, added tokens included):
+    equal for tokenizers that map text to the same ids, recorded with pre-tokenized corpora so that a
+    run with another tokenizer of the same size is refused ([Note: corpus tokenizer] in pretokenized.py)."""
+    vocabulary = json.dumps(
+        sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]), ensure_ascii=False
+    )
+    return "sha256:" + hashlib.sha256(vocabulary.encode("utf-8")).hexdigest()[:16]
 
 
 def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -90,11 +90,7 @@ def training_stream(config: RunConfig, tokenizer, rank: int, world: int):
     if data.pretokenized:
         corpora = [PretokenizedCorpus(p.prefix, data.seq_len) for p in data.pretokenized]
         for corpus in corpora:
-            if corpus.meta["vocab_size"] > len(tokenizer):
-                raise ValueError(
-                    f"{corpus.prefix} was tokenized with {corpus.meta['vocab_size']} tokens, the tokenizer has "
-                    f"{len(tokenizer)}"
-                )
+            corpus.check_tokenizer(tokenizer)  # [Note: corpus tokenizer] in tnlg/data/pretokenized.py
         weights = [p.weight for p in data.pretokenized]
         return PretokenizedStream(corpora, weights, train.micro_batch_size, train.seed, rank, world)
     return TokenStream(
