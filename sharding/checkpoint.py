@@ -73,6 +73,7 @@ which imports it.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,7 @@ __all__ = [  # the checkpoint names callers import from here, wherever they are 
     "SavedParam",
     "ShardReader",
     "TensorLayout",
+    "check_same_optimizer",
     "check_same_parameters",
     "engine_directory",
     "is_sliced",
@@ -130,6 +132,7 @@ __all__ = [  # the checkpoint names callers import from here, wherever they are 
     "tnlg_version",
 ]
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 ENGINE_DIRECTORY = "engine"  # the engine checkpoint's name inside every checkpoint directory
 # ZeroTrainer's name for it before the layouts were made one: refused with the rename, never ignored.
@@ -339,6 +342,11 @@ def _save_part(
     rank = collectives.rank
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
+        if top:
+            # The manifest is the commit point: an older one must not vouch for rank files being
+            # rewritten (a crash mid-save then leaves no manifest, never a stale one). A sub-checkpoint's
+            # is vouched for by the top manifest, which save_engine removed first.
+            (directory / MANIFEST).unlink(missing_ok=True)
     _barrier(collectives)
     tensors: dict[str, torch.Tensor] = {}
     optimizer = engine.base_optimizer
@@ -417,32 +425,44 @@ def load_engine(
     it was."""
     directory = Path(directory)
     agree = tensor.world if tensor is not None else engine.collectives
-    model_names = _model_names(engine, tensor)
+    group_names = _model_group_names(engine, tensor)
     manifest, loaded, saved = read_on_every_rank(
-        agree, lambda: _read_shard(engine, directory, verify, tensor, agree, model_names)
+        agree, lambda: _read_shard(engine, directory, verify, tensor, agree, group_names)
     )
     optimizer = engine.base_optimizer
+    kept = []
     for group_index, (group, (master, state, hyperparameters)) in enumerate(
         zip(engine.groups, loaded, strict=True)
     ):
         group.master.copy_(master)
         if state:
             optimizer.state[group.master] = state
-        optimizer.param_groups[group_index].update(hyperparameters)
+        if hyperparameters is None:
+            kept.append(group_index)
+        else:
+            optimizer.param_groups[group_index].update(hyperparameters)
         group.write_back()
+    if kept and agree.rank == 0:
+        logger.warning(
+            "%s: param groups %s hold other parameters than any saved param group, so they keep their own "
+            "hyperparameters (lr, weight_decay, ...) instead of the checkpoint's",
+            directory,
+            kept,
+        )
     _load_unmanaged(engine, saved, tensor)
     engine.restore_checkpoint_state(manifest)
     return manifest
 
 
-def _model_names(engine: EngineState, tensor: TensorLayout | None) -> set[str]:
-    """The trainable parameters of the whole model: this rank's, and under pipeline stages every
-    stage's (gathered over the world, so that a checkpoint's parameters no stage holds are named).
-    Collective with stages."""
-    names = {slot.name for group in engine.groups for slot in group.layout.slots}
+def _model_group_names(engine: EngineState, tensor: TensorLayout | None) -> list[set[str]]:
+    """The trainable parameters of the whole model, per param group: this rank's, and under pipeline
+    stages every stage's (gathered over the world, so that a checkpoint's parameters no stage holds are
+    named, and a group is compared whole with a saved one). Collective with stages."""
+    names = [{slot.name for slot in group.layout.slots} for group in engine.groups]
     if tensor is None or tensor.pipeline_degree == 1:
         return names
-    return set().union(*tensor.world.all_gather_object(sorted(names)))
+    stages = tensor.world.all_gather_object([sorted(group) for group in names])
+    return [set().union(*(stage[index] for stage in stages)) for index in range(len(names))]
 
 
 def _read_shard(
@@ -451,14 +471,16 @@ def _read_shard(
     verify: bool,
     tensor: TensorLayout | None,
     agree: Collectives,
-    model_names: set[str],
+    group_names: list[set[str]],
 ) -> tuple[dict[str, Any], list[tuple], SavedCheckpoint]:
-    """This rank's (master, optimizer state, hyperparameters) per param group, read without
+    """This rank's (master, optimizer state, hyperparameters or None) per param group, read without
     communicating and without touching the engine."""
     # Opening checks sizes only: each file's sha256 is computed once, by one rank, below (every
     # rank hashing every file it reads from would hash rank 0's file on all of them).
     saved = SavedCheckpoint(directory, verify=False)
     manifest = saved.manifest
+    check_same_optimizer(directory, manifest.get("optimizer"), engine.base_optimizer)
+    model_names = set().union(*group_names)
     cuts = tensor.cuts if tensor is not None else {}
     degree, tensor_rank = (tensor.degree, tensor.rank) if tensor is not None else (1, 0)
     live = {slot.name: (group, slot) for group in engine.groups for slot in group.layout.slots}
@@ -471,8 +493,9 @@ def _read_shard(
     check_same_parameters(directory, saved.shapes, live_shapes, model_names)
     for name in live:
         saved.cut(name, cuts.get(name))  # the same cut on both sides, where both cut it
+    sources = _hyperparameter_sources(saved, group_names)
     loaded = [
-        _read_group(engine, saved, index, group, cuts, degree, tensor_rank)
+        _read_group(engine, saved, index, group, cuts, degree, tensor_rank, sources[index])
         for index, group in enumerate(engine.groups)
     ]
     if verify:  # every saved file is hashed by one rank; read_on_every_rank makes any mismatch fail all
@@ -490,18 +513,21 @@ def _read_group(
     cuts: dict[str, Cut],
     degree: int,
     tensor_rank: int,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+    hyperparameter_source: int | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any] | None]:
     """One param group's (master, optimizer state, hyperparameters): this rank's shard of them, read
-    from whichever saved parts hold its parameters."""
+    from whichever saved parts hold its parameters; the hyperparameters of saved group
+    `hyperparameter_source` (None: the live group keeps its own, see `_hyperparameter_sources`)."""
     optimizer = engine.base_optimizer
     live_group = optimizer.param_groups[group_index]
     param_groups = saved.manifest["param_groups"]
+    hyperparameters = (
+        numeric_hyperparameters(param_groups[hyperparameter_source], live_group)
+        if hyperparameter_source is not None
+        else None
+    )
     if not group.layout.slots:  # a param group empty on this pipeline stage: nothing to read
-        return (
-            torch.zeros_like(group.master),
-            {},
-            numeric_hyperparameters(param_groups[group_index], live_group),
-        )
+        return torch.zeros_like(group.master), {}, hyperparameters
     sources = {saved.holder(slot.name).params[slot.name].group for slot in group.layout.slots}
     if len(sources) != 1:
         raise CheckpointError(
@@ -533,7 +559,36 @@ def _read_group(
         reference = optimizer.state.get(group.master, {}).get(name)
         device = reference.device if reference is not None else scalar_state_device(optimizer, group)
         state[name] = first.reader.tensor(0, prefix + key).reshape(()).to(device)
-    return master, state, numeric_hyperparameters(param_groups[source], live_group)
+    return master, state, hyperparameters
+
+
+def _hyperparameter_sources(saved: SavedCheckpoint, group_names: list[set[str]]) -> list[int | None]:
+    """For each live param group, the saved param group holding exactly its parameters (over the whole
+    model), whose hyperparameters it takes back; None where there is none (the groups were cut another
+    way, e.g. weight decay split off): a saved group's lr or weight_decay would then overwrite a live
+    group's set for other parameters, so the live group keeps its own."""
+    saved_groups: list[set[str]] = [set() for _ in saved.manifest["param_groups"]]
+    for name in saved.names:
+        saved_groups[saved.holder(name).params[name].group].add(name)
+    return [next((s for s, held in enumerate(saved_groups) if held == names), None) for names in group_names]
+
+
+# Optimizers that keep the same state under the same keys (exp_avg, exp_avg_sq, step) and whose saved
+# state therefore resumes in one another: torch's Adam and AdamW, the engine's CPUAdam, DeepSpeed's names.
+ADAM_FAMILY = frozenset({"Adam", "AdamW", "CPUAdam", "FusedAdam", "DeepSpeedCPUAdam"})
+
+
+def check_same_optimizer(directory: Path, saved: str | None, live: torch.optim.Optimizer) -> None:
+    """Refuse a checkpoint whose optimizer keeps other state than `live` (an AdamW's moments in an SGD):
+    its state would be loaded under keys the live step never reads, silently losing momentum."""
+    name = type(live).__name__
+    if saved is None or saved == name or {saved, name} <= ADAM_FAMILY:
+        return
+    raise CheckpointError(
+        f"{directory} holds the optimizer state of {saved}, but the engine's optimizer is {name}: "
+        f"build the engine with {saved} to resume, or start {name} from the weights alone "
+        "(consolidate the checkpoint and load it with initialize(..., pretrained=PATH))"
+    )
 
 
 def numeric_hyperparameters(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:

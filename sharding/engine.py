@@ -131,6 +131,7 @@ class ZeroEngine(nn.Module):
         self.global_steps = 0  # optimizer steps (accumulation boundaries)
         self.micro_steps = 0  # step() calls, one per micro-batch
         self._engine_backwards = 0
+        self._backwards_at_clip = 0  # backward passes seen when clip_grad_norm_ was last called
         # The DeepSpeed config's scheduler, stepped by step() after each applied update.
         self.lr_scheduler = (
             parts.build_lr_scheduler(optimizer) if parts.build_lr_scheduler is not None else None
@@ -258,7 +259,12 @@ class ZeroEngine(nn.Module):
                 "a backward pass ran without engine.backward(loss): with fp16 the loss must be scaled by the "
                 "engine, or the gradients come out divided by the loss scale"
             )
+        if len(self.reducer.backward_passes) != self._backwards_at_clip:
+            # clip_grad_norm_ was called inside the accumulation window: its norm is of part of the
+            # gradients, so the step measures them again (keeping that call's max_norm).
+            self.optimizer.gradients_changed()
         self.reducer.backward_passes.clear()
+        self._backwards_at_clip = 0
         self._engine_backwards = 0
         stepped = self.optimizer.step()
         if stepped and self.lr_scheduler is not None:
@@ -289,7 +295,9 @@ class ZeroEngine(nn.Module):
         clipping value] in optimizer.py).
         """
         self._require_optimizer("clip_grad_norm_")
-        return self.optimizer.clip_grad_norm_(max_norm)
+        norm = self.optimizer.clip_grad_norm_(max_norm)
+        self._backwards_at_clip = len(self.reducer.backward_passes)
+        return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the engine's gradient buffers (`set_to_none` is accepted for API compatibility)."""
@@ -381,6 +389,36 @@ class ZeroEngine(nn.Module):
             rank0_only,
         )
 
+    # [Note: engine state dicts]
+    # nn.Module's state_dict / load_state_dict only see `module`'s parameters, which are views of the
+    # 16-bit buffers: the fp32 master shards, which the next step writes back over them, and stage 3's
+    # released parameters are invisible to them. So a load into those views is undone at the next step
+    # and a stage 3 read returns freed storage. The engine refuses both and names what works.
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """`nn.Module.state_dict` of the wrapped module (keys `module.`-prefixed) at stages 0-2, whose
+        parameters are the live compute-dtype values; stage 3 raises (its parameters are released
+        between uses): use `full_state_dict()`. See [Note: engine state dicts]."""
+        self._require_open("state_dict")
+        if self.config.partitions_parameters:
+            raise RuntimeError(
+                "engine.state_dict() at ZeRO stage 3: the module's parameters are released between uses, "
+                "so its state dict would hold freed storage; call engine.full_state_dict() on every rank "
+                "(collective) for the whole model's values"
+            )
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Refused (see [Note: engine state dicts]): a load into the module's parameter views would be
+        overwritten from the fp32 master at the next step (stages 0-2) or hit released storage (stage 3)."""
+        raise RuntimeError(
+            "engine.load_state_dict() cannot load into a ZeRO engine: its parameters are views the fp32 "
+            "master shards overwrite at every step. Load an engine checkpoint with engine.load_checkpoint(DIR), "
+            "or build the engine from saved weights with initialize(..., pretrained=PATH) / from_pretrained "
+            "before initialize"
+        )
+
     # ------------------------------------------------------------------ checkpoints (EngineState)
     @property
     def base_optimizer(self) -> torch.optim.Optimizer:
@@ -398,7 +436,10 @@ class ZeroEngine(nn.Module):
         }
 
     def restore_checkpoint_state(self, manifest: Mapping[str, Any]) -> None:
-        self.loss_scaler.load_state_dict(manifest["loss_scaler"])
+        precision = manifest.get("mixed_precision", self.config.mixed_precision)
+        kept = self.loss_scaler.resume(precision, manifest["loss_scaler"])
+        if kept is not None and self.collectives.rank == 0:
+            logger.warning("the checkpoint's loss scale was not restored: %s", kept)
         self.global_steps = int(manifest["global_steps"])
 
     def save_checkpoint(self, directory: str | Path) -> None:

@@ -14,6 +14,7 @@ class LossScaler:
     """
 
     def __init__(self, config: ZeroConfig):
+        self.fp16 = config.mixed_precision == "fp16"
         self.dynamic = config.mixed_precision == "fp16" and config.static_loss_scale is None
         if config.mixed_precision != "fp16":
             self.scale = 1.0
@@ -41,8 +42,39 @@ class LossScaler:
             self._clean_steps = 0
             self._overflows_left = self.hysteresis
 
-    def state_dict(self) -> dict[str, float | int]:
-        return {"scale": self.scale, "clean_steps": self._clean_steps, "overflows_left": self._overflows_left}
+    def state_dict(self) -> dict[str, float | int | bool]:
+        return {
+            "scale": self.scale,
+            "clean_steps": self._clean_steps,
+            "overflows_left": self._overflows_left,
+            "dynamic": self.dynamic,
+        }
+
+    def resume(self, mixed_precision: str, state: dict[str, float | int | bool]) -> str | None:
+        """Take back a checkpoint's scaler `state`, saved under `mixed_precision`, only where this scaler
+        and the saved one both scale dynamically in fp16: the one case where the saved scale is a point
+        on this scaler's own path. Anything else (a bf16 or fp32 checkpoint's 1.0, a static scale on
+        either side) would replace the configured scale, so that is kept. Returns what was kept and why
+        (None: restored, or nothing to restore). A checkpoint without "dynamic" (older than the key)
+        counts as dynamic, fp16's default."""
+        if not self.fp16:
+            return None  # no loss scaling: the scale is 1.0 whatever was saved
+        if not self.dynamic:
+            if float(state["scale"]) == self.scale:
+                return None
+            return f"this engine's static fp16 loss scale {self.scale} is kept, as configured"
+        if mixed_precision != "fp16":
+            return (
+                f"the checkpoint was saved with mixed_precision {mixed_precision!r}; this engine keeps "
+                f"its initial fp16 loss scale {self.scale}"
+            )
+        if not state.get("dynamic", True):
+            return (
+                f"the checkpoint's fp16 loss scale was static ({state['scale']}); this engine keeps its "
+                f"initial dynamic scale {self.scale}"
+            )
+        self.load_state_dict(state)
+        return None
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         self.scale = float(state["scale"])

@@ -127,7 +127,8 @@ class ShardedOptimizer:
         self._step_hook = optimizer.register_step_pre_hook(WeakHook(self._refuse_direct_step))
         self.global_grad_norm: float | None = None
         self.step_was_skipped = False
-        self._clip_request: tuple[float, float] | None = None  # (norm, max_norm) from clip_grad_norm_
+        # (norm, max_norm) from clip_grad_norm_; norm None: gradients changed since, the step recomputes it
+        self._clip_request: tuple[float | None, float] | None = None
         self.host_adam = host_adam_for(optimizer) if offloaded else None
         if offloaded:
             kind = "CPUAdam" if self.host_adam is not None else f"{type(optimizer).__name__} itself"
@@ -181,6 +182,12 @@ class ShardedOptimizer:
         self._clip_request = (norm, configured if configured > 0 else max_norm)
         return norm
 
+    def gradients_changed(self) -> None:
+        """A backward ran since `clip_grad_norm_` (a call inside an accumulation window): the coming step
+        still clips to that call's max_norm, but measures the norm of the complete gradients."""
+        if self._clip_request is not None:
+            self._clip_request = (None, self._clip_request[1])
+
     def step(self) -> bool:
         """Update the shards (and write the 16-bit parameters back); False if the step was skipped.
 
@@ -189,6 +196,7 @@ class ShardedOptimizer:
         """
         if self._clip_request is not None:
             (norm, clip), self._clip_request = self._clip_request, None
+            norm = self.grad_norm() if norm is None else norm
         else:
             norm, clip = self.grad_norm(), self.gradient_clipping
         self.global_grad_norm = norm
