@@ -65,6 +65,7 @@ RUN_DECIDES = {
     "tensor_parallel": 1,
     "pipeline_parallel": 1,
     "virtual_stages": 1,
+    "optimizer": "adamw",  # a run always builds AdamW (tnlg.run.optim): no other optimizer to estimate
 }
 
 
@@ -113,7 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="(run) offload the optimizer (stages 1-3) and the parameter shards (stage 3) to CPU",
     )
     parser.add_argument("--mixed-precision", choices=MIXED_PRECISIONS, help="(run) default: bf16")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adamw")
+    parser.add_argument(
+        "--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), help="default adamw (with --config: a run's)"
+    )
     parser.add_argument("--micro-batch-size", type=int, help="(run) sequences per rank per step; default 1")
     parser.add_argument("--seq-len", type=int, help="(run) default: the preset's max_position_embeddings")
     parser.add_argument("--no-activation-checkpointing", action="store_true", default=None, help="(run)")

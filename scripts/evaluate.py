@@ -35,6 +35,7 @@ import torch
 from tnlg.data.finetune import load_rows, validation_rows
 from tnlg.eval.harness import HARNESS, harness_results, require_lm_eval, run_lm_eval, task_manager
 from tnlg.eval.suite import (
+    earlier_results,
     evaluate_lambada,
     evaluate_perplexity,
     evaluate_task,
@@ -75,7 +76,7 @@ def evaluate_config_task(
         config.task.format(),
         evaluation.generation,
         batch_size=evaluation.batch_size,
-        max_examples=max_examples or evaluation.max_examples,
+        max_examples=max_examples if max_examples is not None else evaluation.max_examples,
         split=split or "validation",
     )
 
@@ -88,7 +89,9 @@ def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[st
     parser.add_argument("--model", required=True, type=Path, help="checkpoint directory")
     parser.add_argument("--config", type=Path, help="fine-tuning config: evaluate its task")
     parser.add_argument("--split", help="the task's split to score (default: the config's validation data)")
-    parser.add_argument("--max-examples", type=int, help="default: the config's evaluation.max_examples")
+    parser.add_argument(
+        "--max-examples", type=int, help="with --config: default: the config's evaluation.max_examples"
+    )
     parser.add_argument(
         "--perplexity",
         type=Path,
@@ -114,19 +117,83 @@ def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[st
     harness.add_argument("--include-path", type=Path, help="a folder of lm-eval task YAML files")
     harness.add_argument("--num-fewshot", type=int, help="default: each task's own")
     harness.add_argument("--limit", type=int, help="score only the first N documents of each task")
-    harness.add_argument("--batch-size", type=int, default=1, help="lm-eval's batch size (default 1)")
+    harness.add_argument(
+        "--batch-size",
+        type=int,
+        help="lm-eval's batch size (default 1; a --config task's is --evaluation.batch_size)",
+    )
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if not (args.config or args.perplexity or args.lambada or args.harness):
         parser.error("nothing to evaluate: give --config, --perplexity, --lambada or --harness")
     if overrides and not args.config:
         parser.error(f"config overrides {overrides} need --config")
-    harness_only = ("tasks", "include_path", "num_fewshot", "limit")
-    given = [f"--{name.replace('_', '-')}" for name in harness_only if getattr(args, name) is not None]
-    if given and not args.harness:
-        parser.error(f"{', '.join(given)}: only with --harness {HARNESS}")
+    refuse_flags_without(parser, args, ("tasks", "include_path", "num_fewshot", "limit"), "harness")
+    # A config task's batch size is its evaluation.batch_size (--evaluation.batch_size N overrides it).
+    refuse_flags_without(parser, args, ("batch_size",), "harness")
+    refuse_flags_without(parser, args, ("max_length", "stride"), "perplexity")
+    refuse_flags_without(parser, args, ("split", "max_examples"), "config")
+    check_numbers(parser, args)
+    check_result_names(parser, args)
     if args.harness:
         check_harness_arguments(parser, args)
     return args, overrides
+
+
+def refuse_flags_without(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, names: tuple[str, ...], needed: str
+) -> None:
+    """Exit 2 when flags that only `--needed` reads are given without it (they would be ignored)."""
+    given = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) is not None]
+    if given and not getattr(args, needed):
+        parser.error(f"{', '.join(given)}: only with --{needed} (without it nothing reads them)")
+
+
+def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Sizes and counts in the ranges their readers need (0 is never "the default")."""
+    if args.max_length is not None and args.max_length < 2:
+        parser.error(
+            f"--max-length {args.max_length}: a window needs at least 2 tokens (a token and its context)"
+        )
+    if args.stride is not None and not 1 <= args.stride <= (args.max_length or args.stride):
+        parser.error(
+            f"--stride {args.stride}: must be at least 1 and at most --max-length ({args.max_length})"
+        )
+    for name in ("max_examples", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} {value}: must be at least 1")
+
+
+def check_result_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Each file's results are named by its file name: two files of one name would share one entry."""
+    names = [path.name for path in args.perplexity]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        parser.error(
+            f"--perplexity files share the file name(s) {repeated}, which name their results: copy or link "
+            "them under distinct names (or evaluate them in separate runs)"
+        )
+
+
+def result_sources(args: argparse.Namespace) -> dict[str, Path]:
+    """{result name: the file it measures} for the file evaluations."""
+    sources = {f"perplexity:{path.name}": path for path in args.perplexity}
+    if args.lambada:
+        sources[f"lambada:{args.lambada.name}"] = args.lambada
+    return sources
+
+
+def refuse_replacing_other_files_results(target: Path | None, sources: dict[str, Path]) -> None:
+    """ValueError when eval_results.json holds a result of this name measured on another file: saving
+    would replace it with a different file's numbers."""
+    earlier = earlier_results(target) if target is not None else {}
+    for name, path in sources.items():
+        source = earlier.get(name, {}).get("source") if isinstance(earlier.get(name), dict) else None
+        if source is not None and Path(source).resolve() != path.resolve():
+            raise ValueError(
+                f"{target} already holds {name} of {source}, a different file than {path}: give this file "
+                "another name, or move the earlier results away"
+            )
 
 
 def check_harness_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -155,17 +222,19 @@ def main(argv: list[str] | None = None) -> dict:
     # The task names are checked before the model loads: a misspelt one costs no evaluation.
     manager = task_manager(tasks, args.include_path) if args.harness else None
     target = results_path(args.model)  # a damaged earlier results file stops us before the evaluations
+    names = {path: name for name, path in result_sources(args).items()}
+    refuse_replacing_other_files_results(target, result_sources(args))
     model, tokenizer = load_for_evaluation(args.model, args.zero_stage, DTYPES[args.dtype], args.zero_config)
     model_module = getattr(model, "module", model)
     positions = model_module.config.max_position_embeddings
     results: dict[str, dict] = {}
+    max_length = args.max_length if args.max_length is not None else positions
     for path in args.perplexity:
-        max_length = args.max_length or positions
-        results[f"perplexity:{path.name}"] = evaluate_perplexity(
+        results[names[path]] = evaluate_perplexity(
             model, tokenizer, path, max_length=max_length, stride=args.stride, text_field=args.text_field
         )
     if args.lambada:
-        results[f"lambada:{args.lambada.name}"] = evaluate_lambada(
+        results[names[args.lambada]] = evaluate_lambada(
             model, tokenizer, args.lambada, args.text_field, max_length=positions
         )
     if config is not None:
@@ -179,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
             manager,
             tasks,
             num_fewshot=args.num_fewshot,
-            batch_size=args.batch_size,
+            batch_size=args.batch_size if args.batch_size is not None else 1,
             limit=args.limit,
         )
         results |= harness_results(output)

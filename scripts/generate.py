@@ -47,12 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=50)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, help="with --do-sample (default: Transformers' 1.0)")
+    parser.add_argument("--top-k", type=int, help="with --do-sample (default: Transformers' 50)")
+    parser.add_argument("--top-p", type=float, help="with --do-sample (default: Transformers' 1.0)")
     parser.add_argument("--num-beams", type=int, default=1)
     parser.add_argument("--no-cache", action="store_true", help="recompute attention over the whole prefix")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default 8)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
@@ -68,7 +68,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--zero-config",
         help="ZeroConfig or DeepSpeed JSON for the sharded model; --zero-stage overrides its stage",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit 2 on a setting that would be ignored or fail only after the model loaded."""
+    sampling = [flag for flag in ("temperature", "top_k", "top_p") if getattr(args, flag) is not None]
+    if sampling and not args.do_sample:
+        flags = ", ".join(f"--{flag.replace('_', '-')}" for flag in sampling)
+        parser.error(f"{flags} shape sampling only: add --do-sample (greedy and beam search ignore them)")
+    if args.batch_size < 1:
+        parser.error(f"--batch-size {args.batch_size}: must be at least 1 (prompts per generate call)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -51,6 +51,7 @@ def consolidate(
     """Write the checkpoint's parameters (fp32 masters, or cast to `dtype`) and its unsharded module
     state as a Transformers model directory; returns the files written."""
     checkpoint, output = Path(checkpoint), Path(output)
+    _refuse_writing_into(checkpoint, output)
     tensors = _SavedTensors(checkpoint, dtype, verify)
     sizes = {name: tensors.nbytes(name) for name in tensors.names}
     written = write_shards(output, tensors.names, tensors.read, sizes, max_shard_size)
@@ -59,6 +60,17 @@ def consolidate(
         shutil.copyfile(checkpoint / "config.json", output / "config.json")
         written.append(output / "config.json")
     return written
+
+
+def _refuse_writing_into(checkpoint: Path, output: Path) -> None:
+    """ValueError when `output` is the checkpoint directory or inside it: the previous weights are
+    removed from the output first, and its files would be mixed with the checkpoint's."""
+    source, target = checkpoint.resolve(), output.resolve()
+    if source == target or source in target.parents:
+        raise ValueError(
+            f"consolidating {checkpoint} into {output} would write into the checkpoint itself: name an "
+            "output directory outside it"
+        )
 
 
 def write_shards(

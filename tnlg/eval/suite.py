@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -179,11 +180,12 @@ def results_path(model_dir: str | Path) -> Path | None:
     if not Path(model_dir).is_dir():
         return None
     path = Path(model_dir) / RESULTS_FILE
-    _earlier_results(path)
+    earlier_results(path)
     return path
 
 
-def _earlier_results(path: Path) -> dict[str, Any]:
+def earlier_results(path: Path) -> dict[str, Any]:
+    """The results already saved at `path` ({} when none); DamagedFileError when it is not a JSON object."""
     if not path.is_file():
         return {}
     try:
@@ -202,8 +204,19 @@ def _earlier_results(path: Path) -> dict[str, Any]:
 def save_results(path: Path, results: dict[str, dict[str, Any]]) -> Path:
     """Merge `results` into `path` (from `results_path`); the main process only writes."""
     if rank_and_world()[0] == 0:
-        path.write_text(json.dumps(_earlier_results(path) | results, indent=2))
+        _write_atomically(path, json.dumps(earlier_results(path) | results, indent=2))
     return path
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file renamed over it: an interrupted write leaves the
+    earlier results whole, never a truncated file that would stop every later run."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def results_table(results: dict[str, dict[str, Any]]) -> str:

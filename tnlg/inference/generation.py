@@ -75,6 +75,8 @@ def generate_texts(
 ) -> list[str]:
     """Continuations (without the prompt) of each prompt (text or token ids), decoded; batched with
     left padding. `settings` defaults to greedy decoding (`GenerationSettings()`)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1 (prompts per generate call), got {batch_size}")
     config = (settings or GenerationSettings()).to_generation_config(tokenizer)
     completions: list[str] = []
     for start in range(0, len(prompts), batch_size):

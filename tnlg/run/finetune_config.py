@@ -8,13 +8,12 @@ overrides as pretraining (tnlg.run.config), with unknown keys refused by their d
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tnlg.data.tasks import TaskFormat
-from tnlg.inference.settings import GenerationSettings
+from tnlg.inference.settings import GenerationSettings, setting_problems
 from tnlg.run.config import LoggingSection, TrainingConfig, TrainSection, load_config, require
 
 # The projections LoRA adapts by default: every Linear of the attention and MLP blocks (the output
@@ -151,18 +150,10 @@ class EvaluationSection:
 
 
 def check_generation(settings: GenerationSettings, name: str) -> None:
-    """The decoding settings' ranges, as Transformers' GenerationConfig would refuse them mid-run."""
-    require(f"{name}.max_new_tokens", settings.max_new_tokens, settings.max_new_tokens >= 1, ">= 1")
-    require(f"{name}.num_beams", settings.num_beams, settings.num_beams >= 1, ">= 1 (1: no beam search)")
-    temperature, top_p = settings.temperature, settings.top_p
-    require(
-        f"{name}.temperature",
-        temperature,
-        math.isfinite(temperature) and temperature > 0,
-        "a finite number > 0",
-    )
-    require(f"{name}.top_k", settings.top_k, settings.top_k >= 0, ">= 0 (0: no top-k filtering)")
-    require(f"{name}.top_p", top_p, 0 < top_p <= 1, "in (0, 1]")
+    """The decoding settings' ranges, as Transformers' GenerationConfig would refuse them mid-run, and
+    no sampling setting without do_sample (one list: `setting_problems` in tnlg/inference/settings.py)."""
+    for field_name, value, expected in setting_problems(settings):
+        require(f"{name}.{field_name}", value, False, expected)
 
 
 @dataclass(kw_only=True)

@@ -344,6 +344,25 @@ def _refuse_unsupported_architecture(args: Any) -> None:
         raise ValueError(f"the Megatron model uses options TNLG does not implement: {', '.join(problems)}")
 
 
+def _zero_centered_gamma(args: Any) -> bool:
+    """Whether Megatron stored its LayerNorm weights zero-centred: with `apply_layernorm_1p` (older
+    Megatron-LM) or `layernorm_zero_centered_gamma` (Megatron-core) it normalizes with `weight + 1`."""
+    return bool(
+        getattr(args, "apply_layernorm_1p", False) or getattr(args, "layernorm_zero_centered_gamma", False)
+    )
+
+
+def _shift_layernorm_weights(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every LayerNorm weight (input, post-attention, final) as the `weight + 1` Megatron applies, so a
+    plain LayerNorm computes the same function; biases are used as stored."""
+    return {
+        name: tensor + 1 if _LAYERNORM_WEIGHT.search(name) else tensor for name, tensor in tensors.items()
+    }
+
+
+_LAYERNORM_WEIGHT = re.compile(r"(input_layernorm|post_attention_layernorm|final_layernorm)\.weight$")
+
+
 def _activation_from_args(args: Any) -> str:
     """Megatron's GeLU: tanh-approximated when `openai_gelu` or the fused bias-GeLU kernel is on."""
     if args is None:
@@ -370,7 +389,8 @@ def from_megatron(
     `num_attention_heads` (required without args), `checkpoint_version` (legacy QKV order; default
     3.0), `layer_norm_epsilon` (default 1e-5), `hidden_act` (from the args: `gelu_new`, the tanh GeLU,
     when `openai_gelu` or the fused bias-GeLU kernel was on, else the exact `gelu`; without args
-    `gelu_new`). Architecture options TNLG does not implement are refused.
+    `gelu_new`). Architecture options TNLG does not implement are refused; zero-centred LayerNorm
+    weights (`apply_layernorm_1p`, `layernorm_zero_centered_gamma`) are converted to plain ones (+1).
     `vocab_size` trims the padded embedding rows (e.g. 50257 for the GPT-2 tokenizer).
     """
     metadata: dict = {}
@@ -392,6 +412,8 @@ def from_megatron(
     if layer_norm_epsilon is None:
         layer_norm_epsilon = getattr(args, "norm_epsilon", getattr(args, "layernorm_epsilon", 1e-5))
     tensors = megatron_state_dict_to_tnlg(shards, num_attention_heads, checkpoint_version, vocab_size)
+    if _zero_centered_gamma(args):
+        tensors = _shift_layernorm_weights(tensors)
     config = _config_from_tensors(
         tensors, num_attention_heads, hidden_act=hidden_act, layer_norm_epsilon=layer_norm_epsilon
     )

@@ -32,6 +32,7 @@ from tnlg.sharding.consolidate import consolidate, write_shards
 from tnlg.sharding.pretrained import SafetensorsCheckpoint
 
 from .gpt2 import BLOCK_NAMES, CONFIG_NAMES, TOP_NAMES
+from .outputs import refuse_a_used_directory
 from .state_dicts import copy_tokenizer_files
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def export_gpt2(
     stage and layout: consolidated first, next to `output`). `dtype` casts floating tensors; `verify`
     checks the source's sha256 records. Returns the files written."""
     output = Path(output)
-    _refuse_a_used_directory(output)
+    refuse_a_used_directory(output, "export into a new directory")
     if isinstance(source, TNLGForCausalLM):
         written = _export_model(source, output, max_shard_size, dtype)
     else:
@@ -226,14 +227,6 @@ def _gpt2_names(state: Mapping[str, object], tied: bool) -> dict[str, tuple[str,
             "peft's merge_and_unload, before exporting)"
         )
     return names
-
-
-def _refuse_a_used_directory(output: Path) -> None:
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise FileExistsError(
-            f"{output} already exists and is not an empty directory: export into a new directory (nothing "
-            "there is replaced)"
-        )
 
 
 __all__ = ["export_gpt2", "gpt2_config", "gpt2_name", "tnlg_state_to_gpt2"]

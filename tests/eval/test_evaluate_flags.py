@@ -1,0 +1,70 @@
+"""scripts/evaluate.py: a flag nothing reads, a 0 that would mean "the default", or two results under
+one name are refused before the model loads; eval_results.json is replaced whole or not at all."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts.evaluate import main, parse_arguments
+from tnlg.eval.suite import save_results
+
+
+def refusal(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_arguments(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--perplexity", "a.txt", "--max-length", "0"], "--max-length 0"),
+        (["--perplexity", "a.txt", "--max-length", "1"], "--max-length 1"),
+        (["--perplexity", "a.txt", "--stride", "0"], "--stride 0"),
+        (["--perplexity", "a.txt", "--max-length", "8", "--stride", "9"], "--stride 9"),
+        (["--lambada", "l.jsonl", "--max-length", "64"], "--max-length: only with --perplexity"),
+        (["--lambada", "l.jsonl", "--stride", "64"], "--stride: only with --perplexity"),
+        (["--perplexity", "a.txt", "--batch-size", "8"], "--batch-size: only with --harness"),
+        (["--config", "c.yaml", "--batch-size", "8"], "--batch-size: only with --harness"),
+        (["--config", "c.yaml", "--max-examples", "0"], "--max-examples 0"),
+        (["--perplexity", "a.txt", "--max-examples", "5"], "--max-examples: only with --config"),
+        (["--perplexity", "a.txt", "--split", "test"], "--split: only with --config"),
+    ],
+)
+def test_flags_nothing_reads_and_zero_sizes_are_refused(flags, named, capsys):
+    assert named in refusal(["--model", "debug", *flags], capsys)
+
+
+def test_two_perplexity_files_of_one_name_are_refused(tmp_path, capsys):
+    first, second = tmp_path / "a" / "notes.txt", tmp_path / "b" / "notes.txt"
+    error = refusal(["--model", "debug", "--perplexity", str(first), "--perplexity", str(second)], capsys)
+    assert "notes.txt" in error
+
+
+def test_an_earlier_result_of_another_file_of_the_same_name_is_kept(tmp_path):
+    earlier = {"perplexity:notes.txt": {"source": str(tmp_path / "old" / "notes.txt"), "perplexity": 3.0}}
+    (tmp_path / "eval_results.json").write_text(json.dumps(earlier))
+    with pytest.raises(ValueError, match="a different file than"):
+        main(["--model", str(tmp_path), "--perplexity", str(tmp_path / "new" / "notes.txt")])
+    assert json.loads((tmp_path / "eval_results.json").read_text()) == earlier
+
+
+def test_an_interrupted_save_keeps_the_earlier_results(tmp_path, monkeypatch):
+    target = tmp_path / "eval_results.json"
+    target.write_text(json.dumps({"perplexity:a.txt": {"perplexity": 3.0}}))
+    real_write_text = Path.write_text
+
+    def interrupted_write_text(self, text, *args, **kwargs):
+        real_write_text(self, text[:10], *args, **kwargs)
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(Path, "write_text", interrupted_write_text)
+    with pytest.raises(OSError, match="no space left"):
+        save_results(target, {"perplexity:b.txt": {"perplexity": 4.0}})
+    monkeypatch.undo()
+    assert json.loads(target.read_text()) == {"perplexity:a.txt": {"perplexity": 3.0}}
+    assert [path.name for path in tmp_path.iterdir()] == ["eval_results.json"]

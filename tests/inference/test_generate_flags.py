@@ -1,0 +1,48 @@
+"""scripts/generate.py and GenerationSettings: sampling settings without sampling and a batch size
+below 1 are refused before the model loads, never dropped or failed on mid-run."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import GenerationConfig
+
+from scripts.generate import parse_args
+from tnlg.data.tokenizer import byte_level_tokenizer
+from tnlg.inference.generation import generate_texts
+from tnlg.inference.settings import GenerationSettings
+from tnlg.run.finetune_config import check_generation
+
+
+@pytest.mark.parametrize("flag", ["--temperature", "--top-k", "--top-p"])
+def test_sampling_flags_without_do_sample_are_refused(flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--prompt", "hi", flag, "1"])
+    assert exit_info.value.code == 2 and f"{flag} shape sampling only" in capsys.readouterr().err
+    assert getattr(parse_args(["--prompt", "hi", "--do-sample", flag, "1"]), flag[2:].replace("-", "_")) == 1
+
+
+@pytest.mark.parametrize("size", ["0", "-1"])
+def test_a_batch_size_below_one_is_refused(size, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--prompt", "hi", "--batch-size", size])
+    assert f"--batch-size {size}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+        generate_texts(None, byte_level_tokenizer(), ["hi"], batch_size=int(size))
+
+
+def test_sampling_settings_apply_with_do_sample_and_are_refused_without():
+    tokenizer = byte_level_tokenizer()
+    sampled = GenerationSettings(do_sample=True, temperature=0.7, top_k=5).to_generation_config(tokenizer)
+    assert (sampled.temperature, sampled.top_k) == (0.7, 5)
+    assert sampled.top_p == GenerationConfig().top_p  # left to Transformers' default
+    with pytest.raises(ValueError, match=r"temperature is 0\.7"):
+        GenerationSettings(temperature=0.7).to_generation_config(tokenizer)
+    with pytest.raises(ValueError, match=r"top_p is 1\.5"):
+        GenerationSettings(do_sample=True, top_p=1.5).to_generation_config(tokenizer)
+
+
+def test_the_run_config_check_refuses_sampling_settings_without_do_sample():
+    check_generation(GenerationSettings(), "evaluation.generation")  # defaults: Transformers'
+    check_generation(GenerationSettings(do_sample=True, top_p=0.9), "evaluation.generation")
+    with pytest.raises(ValueError, match=r"evaluation\.generation\.top_p must be left unset"):
+        check_generation(GenerationSettings(top_p=0.9), "evaluation.generation")
