@@ -29,12 +29,13 @@ traceback that names no file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -256,22 +257,61 @@ def verify_checksums(
     return not changed
 
 
+def _variant_weight_paths(directory: Path, variant: str | None) -> list[Path]:
+    """A variant's weight files in `directory`: the single file, the index and the shards."""
+    if not directory.is_dir():
+        return []
+    single = variant_name(SAFE_WEIGHTS_NAME, variant)
+    index = variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
+    shard = re.compile(re.escape(single.removesuffix(".safetensors")) + r"-\d{5}-of-\d{5}\.safetensors")
+    return sorted(
+        path
+        for path in directory.iterdir()
+        if path.is_file() and (path.name in (single, index) or shard.fullmatch(path.name))
+    )
+
+
 def remove_weight_files(directory: Path, variant: str | None = None) -> None:
     """Delete a variant's weights (the single file, the index, the shards) before a save replaces them.
 
     Transformers keeps a single `model.safetensors` when it then writes shards, and `from_pretrained`
     prefers that file: the directory would silently load the previous weights. Unlinking first also
     keeps tensors memory-mapped from the old files valid while the new ones are written."""
-    if not directory.is_dir():
-        return
-    single = variant_name(SAFE_WEIGHTS_NAME, variant)
-    shard = re.compile(re.escape(single.removesuffix(".safetensors")) + r"-\d{5}-of-\d{5}\.safetensors")
-    for path in directory.iterdir():
-        if path.is_file() and (
-            path.name in (single, variant_name(SAFE_WEIGHTS_INDEX_NAME, variant))
-            or shard.fullmatch(path.name)
-        ):
-            path.unlink()
+    for path in _variant_weight_paths(directory, variant):
+        path.unlink()
+
+
+# [Note: replacing a model's weights]
+# A save over a model directory must leave exactly one model there: the new one when the save returns,
+# the old one when it raises. Transformers checks some inputs (a GenerationConfig that does not
+# validate, say) only after the caller has had its chance to clear the directory, and a write can fail
+# halfway (a full disk). So the old weight files are renamed aside (hidden names in the same directory)
+# rather than deleted: renaming, like unlinking, keeps their inodes, so tensors memory-mapped from them
+# stay valid while the new files are written, and no stale single file or shard can outlive the save
+# (from_pretrained prefers a single file to an index). They are deleted once the save has returned, or
+# renamed back, over whatever the failed save wrote, when it raises.
+_SET_ASIDE_PREFIX, _SET_ASIDE_SUFFIX = ".", ".tnlg-replaced"
+
+
+@contextlib.contextmanager
+def replacing_weight_files(directory: Path, variant: str | None = None) -> Iterator[None]:
+    """Run a save of `variant`'s weights into `directory` so that the previous weights are gone when
+    it returns and intact when it raises ([Note: replacing a model's weights])."""
+    aside: dict[Path, Path] = {}
+    for path in _variant_weight_paths(directory, variant):
+        hidden = path.with_name(_SET_ASIDE_PREFIX + path.name + _SET_ASIDE_SUFFIX)
+        os.replace(path, hidden)
+        aside[path] = hidden
+    try:
+        yield
+    except BaseException:
+        for written in _variant_weight_paths(directory, variant):
+            written.unlink()  # the failed save's files: the old weights come back whole, without them
+        for path, hidden in aside.items():
+            os.replace(hidden, path)
+        raise
+    for hidden in aside.values():
+        hidden.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------- strictness

@@ -32,13 +32,13 @@ from .configuration_tnlg import TNLGConfig, has_dropout
 from .loading import (
     check_weight_files,
     raise_on_mismatch,
-    remove_weight_files,
+    replacing_weight_files,
     saved_output_layer,
     tied_output_layer_error,
     weight_files,
     write_checksums,
 )
-from .pipeline import PipelineSplit, split_pipeline
+from .pipeline import PipelineSplit, pipeline_split, split_pipeline
 from .transformers_compat import (
     CACHE_NAME,
     CheckpointedLayer,
@@ -273,7 +273,7 @@ class TNLGPreTrainedModel(PreTrainedModel):
             )
         if directory is not None and state_dict is None:  # given a state_dict, no weight file is read
             check_weight_files(directory, weight_files(directory, variant), verify=verify_checksums)
-        if kwargs.get("tp_plan") is not None:
+        if _asks_for_tensor_parallel(kwargs):
             _check_tensor_parallel_load(pretrained_model_name_or_path, kwargs)
         if strict:
             # Let Transformers finish loading so that its report of mis-shaped tensors reaches us;
@@ -306,13 +306,19 @@ class TNLGPreTrainedModel(PreTrainedModel):
         self, save_directory: str | os.PathLike, is_main_process: bool = True, *args: Any, **kwargs: Any
     ) -> None:
         """Transformers' `save_pretrained`, replacing the directory's previous weights of this variant
-        whole (Transformers keeps an old single file that `from_pretrained` then prefers) and
-        recording each weight file's sha256 in `tnlg_checksums.json` ([Note: checksums] in loading.py).
+        whole (Transformers keeps an old single file that `from_pretrained` then prefers), and only once
+        the save has succeeded ([Note: replacing a model's weights] in loading.py), and recording each
+        weight file's sha256 in `tnlg_checksums.json` ([Note: checksums] in loading.py).
+
+        A model cut into pipeline stages or tensor slices holds part of the weights: it is refused
+        unless `state_dict=` gives the whole model's (as its engine's consolidation does).
         """
+        state_dict = kwargs.get("state_dict", args[0] if args else None)
+        if state_dict is None:
+            _refuse_partial_save(self)
         directory, variant = Path(save_directory), kwargs.get("variant")
-        if is_main_process:
-            remove_weight_files(directory, variant)
-        super().save_pretrained(save_directory, is_main_process, *args, **kwargs)
+        with replacing_weight_files(directory, variant) if is_main_process else nullcontext():
+            super().save_pretrained(save_directory, is_main_process, *args, **kwargs)
         if is_main_process and directory.is_dir():
             write_checksums(directory, weight_files(directory, variant))
 
@@ -334,6 +340,42 @@ class TNLGPreTrainedModel(PreTrainedModel):
         elif isinstance(module, nn.LayerNorm):
             init.ones_(module.weight)
             init.zeros_(module.bias)
+
+
+def _refuse_partial_save(model: nn.Module) -> None:
+    """Raise before a save that would write this rank's part of the model as if it were the whole.
+
+    The state-dict names of a cut model are the whole model's ([Note: pipeline split] in pipeline.py),
+    so Transformers would write the part without complaint and a later load would find tensors missing
+    (pipeline stages) or mis-shaped against the config (tensor slices)."""
+    split = pipeline_split(model)
+    if split is not None:
+        held = f"stages {split.stage_indices} of {split.num_stages}"
+        cut = f"is cut into pipeline stages (split_pipeline): this rank holds {held}"
+    elif tensor_parallel.is_sliced(model):
+        degree = next(m.tp_degree for m in model.modules() if tensor_parallel.tensor_group(m) is not None)
+        cut = (
+            f"is cut into tensor slices (apply_tensor_parallel, degree {degree}): this rank holds 1/{degree}"
+        )
+    else:
+        return
+    raise RuntimeError(
+        f"save_pretrained refused: the model {cut}, and would be saved as a partial model. Save it whole through "
+        "its engine, on every rank: accelerator.save_model(model, directory), ZeroTrainer.save_model(), or "
+        "save_pretrained(directory, state_dict=engine.full_state_dict()) (full_state_dict is collective)"
+    )
+
+
+def _asks_for_tensor_parallel(kwargs: dict[str, Any]) -> bool:
+    """Whether `from_pretrained` is asked for Transformers' tensor parallelism, by the keywords
+    (`tp_plan=`, `tp_size=`) or by `distributed_config=DistributedConfig(tp_plan=..., tp_size=...)`."""
+    if kwargs.get("tp_plan") is not None or kwargs.get("tp_size") is not None:
+        return True
+    distributed = kwargs.get("distributed_config")
+    # DistributedConfig settles tp_size when built: 1 without a plan, the world's share with one.
+    return distributed is not None and (
+        getattr(distributed, "tp_plan", None) is not None or (getattr(distributed, "tp_size", None) or 1) > 1
+    )
 
 
 def _check_tensor_parallel_load(path: str | os.PathLike | None, kwargs: dict[str, Any]) -> None:
@@ -500,9 +542,9 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast:
         if use_cache is None and cache is None and (labels is not None or self.training):
             # A loss, or a training forward whose loss is the caller's, needs no cache: building one
-            # would hold every layer's keys and values for nothing, and a cache turns off Transformers'
-            # packed-sequence masking (positions restarting at 0 keep packed examples apart only
-            # without one). Generation asks for one explicitly.
+            # would hold every layer's keys and values for nothing. Generation asks for one explicitly.
+            # (Packed sequences are kept apart with or without the fresh cache an evaluation forward
+            # builds: [Note: packed sequences and an empty cache] in transformers_compat.py.)
             use_cache = False
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
@@ -549,19 +591,26 @@ class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):
         self, hidden_states: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, Any]
     ) -> torch.Tensor | None:
         """The causal-LM loss straight from the final hidden states where a path exists that never makes
-        the (B, T, V) logits (tensor slicing, the fused Triton head); None where the logits are needed."""
+        the (B, T, V) logits (tensor slicing, the fused Triton head); None where the logits are needed.
+        Both honour the keywords Transformers' `ForCausalLMLoss` takes (`shift_labels`, `ignore_index`,
+        `num_items_in_batch`), as the logits path does."""
+        ignore_index = kwargs.get("ignore_index", tensor_parallel.IGNORE_INDEX)
         if tensor_parallel.tensor_group(self.lm_head) is not None:
             # Cut by tnlg's apply_tensor_parallel: a vocabulary-parallel loss on local logits (B, T, V/t).
             return tensor_parallel.vocab_parallel_causal_lm_loss(
                 self.lm_head, hidden_states, labels,
                 num_items_in_batch=kwargs.get("num_items_in_batch"), shift_labels=kwargs.get("shift_labels"),
+                ignore_index=ignore_index,
             )  # fmt: skip
         if fused_ops.use_triton(self.config.fused_kernels, hidden_states) and is_plain_linear(self.lm_head):
             # The LM head and its loss chunk by chunk. A wrapped head (LoRA, modules_to_save) is called
             # instead: the kernel reads only the weight.
-            targets = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # position t predicts t + 1
+            targets = kwargs.get("shift_labels")  # Transformers' keyword: labels already shifted
+            if targets is None:
+                targets = nn.functional.pad(labels, (0, 1), value=ignore_index)[:, 1:]  # t predicts t + 1
             return fused_ops.linear_cross_entropy(
-                hidden_states.reshape(-1, hidden_states.shape[-1]), self.lm_head.weight, targets.reshape(-1),
+                hidden_states.reshape(-1, hidden_states.shape[-1]), self.lm_head.weight,
+                targets.reshape(-1).to(hidden_states.device), ignore_index=ignore_index,
                 num_items=kwargs.get("num_items_in_batch"), choice=self.config.fused_kernels,
             )  # fmt: skip
         return None

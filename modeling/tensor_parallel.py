@@ -169,11 +169,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     Forward: global max (all-reduce MAX), global sum of exp (all-reduce SUM), and the target's logit
     from the rank owning it (all-reduce SUM). Backward: softmax - onehot, locally. Tokens labelled
-    `IGNORE_INDEX` get loss 0 and no gradient.
+    `ignore_index` get loss 0 and no gradient.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup, ignore_index: int
+    ) -> torch.Tensor:
         # logits (N, V/t) local, target (N,) global ids
         width = logits.shape[-1]
         start = dist.get_rank(group) * width
@@ -184,7 +186,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp()
         total = exp.sum(dim=-1)  # (N,)
         dist.all_reduce(total, group=group)
-        valid = target != IGNORE_INDEX
+        valid = target != ignore_index
         index = target - start
         owned = valid & (index >= 0) & (index < width)
         index = torch.where(owned, index, torch.zeros_like(index))
@@ -203,35 +205,36 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, index] -= owned.to(grad.dtype)
         grad.mul_((grad_loss * valid).unsqueeze(-1))
-        return grad.to(ctx.dtype), None, None
+        return grad.to(ctx.dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup
+    logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup, ignore_index: int = IGNORE_INDEX
 ) -> torch.Tensor:
-    """Per-token loss (N,) of local logits (N, V/t); `IGNORE_INDEX` targets give 0."""
-    return _VocabParallelCrossEntropy.apply(logits, target, group)
+    """Per-token loss (N,) of local logits (N, V/t); `ignore_index` targets give 0."""
+    return _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index)
 
 
 def vocab_parallel_causal_lm_loss(
     head: nn.Module,
     hidden_states: torch.Tensor,  # (B, T, H), replicated over the tensor group
-    labels: torch.Tensor,  # (B, T); -100 = no loss; shifted here
+    labels: torch.Tensor,  # (B, T); ignore_index = no loss; shifted here
     num_items_in_batch: torch.Tensor | int | None = None,
-    shift_labels: torch.Tensor | None = None,
+    shift_labels: torch.Tensor | None = None,  # (B, T), already shifted: used instead of labels
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
-    """The causal-LM loss of a head cut by `apply_tensor_parallel`, reduced as Transformers'
-    `ForCausalLMLoss` does: sum over tokens / `num_items_in_batch` when given, else the mean over
-    tokens not ignored. Only local logits (B, T, V/t) are made."""
+    """The causal-LM loss of a head cut by `apply_tensor_parallel`, with the keywords of Transformers'
+    `ForCausalLMLoss` and reduced as it does: sum over tokens / `num_items_in_batch` when given, else
+    the mean over tokens not ignored. Only local logits (B, T, V/t) are made."""
     group = head.tp_group
     hidden = copy_to_tensor_region(hidden_states, group)
     logits = nn.functional.linear(hidden, head.weight, head.bias)  # (B, T, V/t)
     if shift_labels is None:
-        shift_labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # t predicts t + 1
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]  # t predicts t + 1
     target = shift_labels.reshape(-1).to(logits.device)
-    losses = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), target, group)
+    losses = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), target, group, ignore_index)
     if num_items_in_batch is None:
-        return losses.sum() / (target != IGNORE_INDEX).sum()
+        return losses.sum() / (target != ignore_index).sum()
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(losses.device)
     return losses.sum() / num_items_in_batch

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
@@ -73,14 +73,30 @@ def causal_mask(
     sequences packed in a row, where a position starts again from 0, and reading the answer back from
     the device waits for it once per forward; counted positions hold one sequence a row, so there is
     nothing to find and no wait. (Flash attention searches the positions a block is given the same way,
-    in every layer at batch 1: the blocks get the caller's positions only, too.)"""
+    in every layer at batch 1: the blocks get the caller's positions only, too.)
+
+    An empty dynamic cache is left out of the mask ([Note: packed sequences and an empty cache])."""
     return create_causal_mask(
         config=config,
         inputs_embeds=inputs_embeds,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        **cache_kwarg(cache),
+        **cache_kwarg(None if is_empty_dynamic_cache(cache) else cache),
     )
+
+
+def is_empty_dynamic_cache(cache: Cache | None) -> bool:
+    """Whether `cache` is a `DynamicCache` holding no tokens yet.
+
+    [Note: packed sequences and an empty cache]
+    Transformers keeps sequences packed in a row apart (positions restarting at 0, no mask) only when no
+    cache is given. An evaluation forward builds a cache of its own unless it computes a loss (see
+    TNLGForCausalLM.forward), so with a cache in the mask the same packed inputs would attend across
+    their documents without labels and apart with them. An empty dynamic cache adds no tokens to attend
+    to and sizes the mask as no cache does (its keys are the new tokens), so the mask is made without it
+    and both forwards give the same logits. A static cache is kept: it sizes the mask to its capacity.
+    """
+    return isinstance(cache, DynamicCache) and cache.get_seq_length() == 0
 
 
 def accepts_legacy_cache_name(forward: Function) -> Function:
@@ -178,5 +194,6 @@ __all__ = [
     "cache_kwarg",
     "causal_mask",
     "enable_checkpointing",
+    "is_empty_dynamic_cache",
     "output_cache",
 ]
