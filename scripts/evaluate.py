@@ -127,9 +127,10 @@ def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[st
         parser.error("nothing to evaluate: give --config, --perplexity, --lambada or --harness")
     if overrides and not args.config:
         parser.error(f"config overrides {overrides} need --config")
-    refuse_flags_without(parser, args, ("tasks", "include_path", "num_fewshot", "limit"), "harness")
+    harness = f"--harness {HARNESS}"
+    refuse_flags_without(parser, args, ("tasks", "include_path", "num_fewshot", "limit"), "harness", harness)
     # A config task's batch size is its evaluation.batch_size (--evaluation.batch_size N overrides it).
-    refuse_flags_without(parser, args, ("batch_size",), "harness")
+    refuse_flags_without(parser, args, ("batch_size",), "harness", harness)
     refuse_flags_without(parser, args, ("max_length", "stride"), "perplexity")
     refuse_flags_without(parser, args, ("split", "max_examples"), "config")
     check_numbers(parser, args)
@@ -140,12 +141,19 @@ def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[st
 
 
 def refuse_flags_without(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, names: tuple[str, ...], needed: str
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    names: tuple[str, ...],
+    needed: str,
+    shown: str | None = None,
 ) -> None:
-    """Exit 2 when flags that only `--needed` reads are given without it (they would be ignored)."""
+    """Exit 2 when flags that only `--needed` reads are given without it (they would be ignored);
+    `shown` is how the error writes the needed flag (default `--needed`)."""
     given = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) is not None]
     if given and not getattr(args, needed):
-        parser.error(f"{', '.join(given)}: only with --{needed} (without it nothing reads them)")
+        parser.error(
+            f"{', '.join(given)}: only with {shown or '--' + needed} (without it nothing reads them)"
+        )
 
 
 def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
