@@ -56,7 +56,14 @@ def load_deepspeed_checkpoint(engine: EngineState, path: str | Path, sliced: boo
             if name in buffers:
                 buffers[name].copy_(tensor)
     engine_state = engine.checkpoint_state()
-    engine_state["loss_scaler"] = {**engine_state["loss_scaler"], "scale": state.loss_scale}
+    # The scaler comes back only from a dynamic fp16 run into a dynamic fp16 engine (LossScaler.resume):
+    # a bf16 or fp32 run's scale of 1 would otherwise replace an fp16 engine's initial scale.
+    engine_state["mixed_precision"] = "fp16" if state.loss_scale_dynamic is not None else "bf16 or fp32"
+    engine_state["loss_scaler"] = {
+        **engine_state["loss_scaler"],
+        "scale": state.loss_scale,
+        "dynamic": bool(state.loss_scale_dynamic),
+    }
     engine_state["global_steps"] = state.global_steps
     engine.restore_checkpoint_state(engine_state)
     return {

@@ -63,6 +63,8 @@ class DeepSpeedZeroState:
     shared: dict[str, str] = field(default_factory=dict)  # a tied alias -> the parameter it is
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     loss_scale: float = 1.0
+    # Whether DeepSpeed's fp16 loss scaler was dynamic; None: the run saved no loss scaler (bf16 or fp32)
+    loss_scale_dynamic: bool | None = None
     lr_scheduler: dict[str, Any] | None = None
 
 
@@ -156,7 +158,8 @@ def read_deepspeed_checkpoint(path: str | Path) -> DeepSpeedZeroState:
         masters=masters, moments=moments, adam_steps=base["steps"], param_groups=base["param_groups"],
         shared=dict(model.get("shared_params") or {}),
         buffers={name: module[name] for name in model.get("buffer_names") or [] if name in module},
-        loss_scale=_loss_scale(states[0].get("loss_scaler")), lr_scheduler=model.get("lr_scheduler"),
+        loss_scale=_loss_scale(states[0].get("loss_scaler")),
+        loss_scale_dynamic=_loss_scale_dynamic(states[0].get("loss_scaler")), lr_scheduler=model.get("lr_scheduler"),
     )  # fmt: skip
 
 
@@ -281,6 +284,15 @@ def _loss_scale(value: Any) -> float:
     if isinstance(state, dict) and "cur_scale" in state:
         return float(state["cur_scale"])
     return 1.0  # no scaler recorded: bf16 and fp32 runs scale by 1
+
+
+def _loss_scale_dynamic(value: Any) -> bool | None:
+    """DeepSpeed's fp16 scaler records `dynamic` (True for DynamicLossScaler, False for the static one);
+    None when no scaler was saved (a bf16 or fp32 run)."""
+    state = getattr(value, "state", None)
+    if isinstance(state, dict) and "cur_scale" in state:
+        return bool(state.get("dynamic", True))
+    return None
 
 
 def _base_optimizer(state: dict[str, Any], directory: Path) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.support.deepspeed_fixtures import CASES, CHECKPOINT, RESUMED_STEPS, SAVE_AT
-from tests.support.deepspeed_resume_cases import resume_in_tnlg
+from tests.support.deepspeed_resume_cases import loss_scale_after_resume, resume_in_tnlg
 from tnlg.sharding.checkpoint_files import CheckpointError
 from tnlg.sharding.deepspeed.zero_checkpoint import read_deepspeed_checkpoint
 from tnlg.tools.spawn import RankFailed, run_distributed
@@ -50,6 +50,14 @@ def test_tnlg_resumes_a_deepspeed_run_with_deepspeeds_own_next_losses(name, worl
         "global_steps": SAVE_AT,
         "adam_step": SAVE_AT,
     }
+
+
+def test_an_fp16_engine_keeps_its_loss_scale_over_a_run_that_saved_none():
+    # the fixtures are fp32 DeepSpeed runs (no loss scaler saved): their scale of 1 must not replace the
+    # fp16 engine's initial 2**12 (it did, and a scale of 1 takes ~12k clean steps to grow back)
+    name = "stage2_world2"
+    checkpoint = str(CASE[name].directory / CHECKPOINT)
+    assert run_distributed(loss_scale_after_resume, 1, name, checkpoint)[0] == 2.0**12
 
 
 def test_the_warmup_schedule_resumes_where_deepspeed_left_it():

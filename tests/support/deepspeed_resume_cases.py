@@ -37,3 +37,14 @@ def resume_in_tnlg(rank: int, world: int, case_name: str, checkpoint: str, stage
         "global_steps": engine.global_steps,
         "summary": {key: value for key, value in summary.items() if key in kept},
     }
+
+
+def loss_scale_after_resume(rank: int, world: int, case_name: str, checkpoint: str) -> float:
+    """An fp16 engine (initial loss scale 2**12) resumed from the case's DeepSpeed checkpoint: its scale."""
+    torch.manual_seed(123)
+    model = TNLGForCausalLM(tiny_config())
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    config = resumed_config(case_name, 2)
+    engine = initialize(model, optimizer, {**config, "fp16": {"enabled": True, "initial_scale_power": 12}})
+    engine.load_checkpoint(Path(checkpoint))
+    return engine.loss_scale
