@@ -158,8 +158,7 @@ def read_deepspeed_checkpoint(path: str | Path) -> DeepSpeedZeroState:
         masters=masters, moments=moments, adam_steps=base["steps"], param_groups=base["param_groups"],
         shared=dict(model.get("shared_params") or {}),
         buffers={name: module[name] for name in model.get("buffer_names") or [] if name in module},
-        loss_scale=_loss_scale(states[0].get("loss_scaler")),
-        loss_scale_dynamic=_loss_scale_dynamic(states[0].get("loss_scaler")), lr_scheduler=model.get("lr_scheduler"),
+        **_loss_scaler(states[0].get("loss_scaler")), lr_scheduler=model.get("lr_scheduler"),
     )  # fmt: skip
 
 
@@ -279,20 +278,16 @@ def _stage(value: Any, path: Path) -> int:
     return stage
 
 
-def _loss_scale(value: Any) -> float:
+def _loss_scaler(value: Any) -> dict[str, Any]:
+    """DeepSpeed's saved fp16 scaler as `loss_scale` and `loss_scale_dynamic` (its `dynamic`: True for
+    DynamicLossScaler, False for the static one); a bf16 or fp32 run saves none: scale 1, None."""
     state = getattr(value, "state", None)
     if isinstance(state, dict) and "cur_scale" in state:
-        return float(state["cur_scale"])
-    return 1.0  # no scaler recorded: bf16 and fp32 runs scale by 1
-
-
-def _loss_scale_dynamic(value: Any) -> bool | None:
-    """DeepSpeed's fp16 scaler records `dynamic` (True for DynamicLossScaler, False for the static one);
-    None when no scaler was saved (a bf16 or fp32 run)."""
-    state = getattr(value, "state", None)
-    if isinstance(state, dict) and "cur_scale" in state:
-        return bool(state.get("dynamic", True))
-    return None
+        return {
+            "loss_scale": float(state["cur_scale"]),
+            "loss_scale_dynamic": bool(state.get("dynamic", True)),
+        }
+    return {"loss_scale": 1.0, "loss_scale_dynamic": None}
 
 
 def _base_optimizer(state: dict[str, Any], directory: Path) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tnlg.run.metrics import LossCurve
+from tnlg.run.metrics import LossCurve, flat_settings
 from tnlg.sharding.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -158,17 +158,6 @@ RESUME_MAY_CHANGE = (
     "logging.",
 )
 RESUME_MAY_NOT_CHANGE = ("zero.gradient_clipping",)  # an optimizer setting, though in the zero section
-
-
-def flat_settings(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """`config`'s settings by dotted key; a list (data sources, betas) is one setting."""
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict) and value:
-            flat.update(flat_settings(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _may_change(key: str) -> bool:

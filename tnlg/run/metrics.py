@@ -110,15 +110,20 @@ def tracker_names(requested: list[str]) -> list[str]:
     return sorted(set(names))
 
 
-def flat_hyperparameters(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """The run config as `section.key` scalars (trackers such as TensorBoard take no nesting)."""
+def flat_settings(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The run config's settings by dotted key (`section.key`); a list or an empty mapping is one setting."""
     flat: dict[str, Any] = {}
     for key, value in tree.items():
-        name = f"{prefix}{key}"
         if isinstance(value, dict) and value:
-            flat.update(flat_hyperparameters(value, f"{name}."))
-        elif isinstance(value, (bool, int, float, str)):
-            flat[name] = value
+            flat.update(flat_settings(value, f"{prefix}{key}."))
         else:
-            flat[name] = json.dumps(value)
+            flat[f"{prefix}{key}"] = value
     return flat
+
+
+def flat_hyperparameters(tree: dict[str, Any]) -> dict[str, Any]:
+    """The run config as `section.key` scalars (trackers such as TensorBoard take no nesting)."""
+    return {
+        name: value if isinstance(value, (bool, int, float, str)) else json.dumps(value)
+        for name, value in flat_settings(tree).items()
+    }
