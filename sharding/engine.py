@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .checkpoint import CheckpointError, load_engine, save_engine, tensor_layout
 from .collectives import Collectives
@@ -35,6 +36,7 @@ from .flat_group import FlatGroup
 from .full_state import full_state_dict
 from .grads import GradientReducer
 from .loss_scaler import LossScaler
+from .module_loads import register_module_loads
 from .offload import Placement
 from .optimizer import ModelParallelNorm, ShardedOptimizer
 from .params import ParameterScheduler
@@ -141,8 +143,11 @@ class ZeroEngine(nn.Module):
             # collectives.py). Opened last, so that no error above leaves it behind unclosed.
             self.collectives.open_gather_group()
         self.compiled_blocks = parts.compiled_blocks
-        # Made last, with the finalizer that removes its callbacks: nothing above can leave it registered.
+        # Made last, with the finalizer that removes their callbacks and hooks: nothing above can leave
+        # them registered.
         self._compile_clock = CompileClock() if parts.compiled_blocks else None
+        # A load_state_dict into the module reaches the fp32 master (see [Note: module loads]).
+        self._module_load_hooks = register_module_loads(self.module, self.groups, self.config.stage)
         # Teardown without __del__ (see [Note: engine lifetime] in grads.py): runs once, at close(), when
         # the engine is garbage-collected, or at interpreter exit. Its arguments must not hold the engine.
         self._finalizer = weakref.finalize(
@@ -154,6 +159,7 @@ class ZeroEngine(nn.Module):
             self.groups,
             self.collectives,
             self._compile_clock,
+            self._module_load_hooks,
         )
 
     # ------------------------------------------------------------------ the training loop
@@ -390,10 +396,12 @@ class ZeroEngine(nn.Module):
         )
 
     # [Note: engine state dicts]
-    # nn.Module's state_dict / load_state_dict only see `module`'s parameters, which are views of the
-    # 16-bit buffers: the fp32 master shards, which the next step writes back over them, and stage 3's
-    # released parameters are invisible to them. So a load into those views is undone at the next step
-    # and a stage 3 read returns freed storage. The engine refuses both and names what works.
+    # nn.Module's state_dict / load_state_dict see only `module`'s parameters, which are views of the
+    # 16-bit buffers, not the fp32 master shards the next step writes back over them; stage 3's released
+    # parameters have no storage at all. So a stage 3 read would return freed storage: refused, naming
+    # full_state_dict(). Loads (engine.load_state_dict, or into engine.module) go through the module's
+    # pre-hooks, which write the fp32 master too at stages 0-2 and refuse stage 3 (see [Note: module
+    # loads] in module_loads.py).
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """`nn.Module.state_dict` of the wrapped module (keys `module.`-prefixed) at stages 0-2, whose
         parameters are the live compute-dtype values; stage 3 raises (its parameters are released
@@ -406,18 +414,6 @@ class ZeroEngine(nn.Module):
                 "(collective) for the whole model's values"
             )
         return super().state_dict(*args, **kwargs)
-
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
-        """Refused (see [Note: engine state dicts]): a load into the module's parameter views would be
-        overwritten from the fp32 master at the next step (stages 0-2) or hit released storage (stage 3)."""
-        raise RuntimeError(
-            "engine.load_state_dict() cannot load into a ZeRO engine: its parameters are views the fp32 "
-            "master shards overwrite at every step. Load an engine checkpoint with engine.load_checkpoint(DIR), "
-            "or build the engine from saved weights with initialize(..., pretrained=PATH) / from_pretrained "
-            "before initialize"
-        )
 
     # ------------------------------------------------------------------ checkpoints (EngineState)
     @property
@@ -622,6 +618,7 @@ def _release_parts(
     groups: list[FlatGroup],
     collectives: Collectives,
     compile_clock: CompileClock | None,
+    module_load_hooks: list[RemovableHandle],
 ) -> None:
     """An engine's teardown (its finalizer: see `ZeroEngine.close`). Reductions first, since they write
     into the groups' buffers; then gathers; then the optimizer and the buffers themselves; last the gather
@@ -637,3 +634,5 @@ def _release_parts(
     collectives.close()
     if compile_clock is not None:
         compile_clock.close()
+    for handle in module_load_hooks:
+        handle.remove()  # after close() the module's views are plain parameters again

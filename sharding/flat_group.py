@@ -160,7 +160,8 @@ class FlatGroup:
 
     def load_slot(self, index: int, value: torch.Tensor) -> None:
         """Take parameter `index`'s full value: this rank's part into the fp32 master (before any cast
-        to 16 bits), and the whole of it where this rank keeps the full parameter."""
+        to 16 bits), and the whole of it where this rank keeps the full parameter. Also after finish()
+        (a `load_state_dict` into the module: see [Note: module loads] in module_loads.py)."""
         layout = self.layout
         slot = layout.slots[index]
         owned = layout.owned_range(slot, self.shard_rank)
@@ -168,7 +169,9 @@ class FlatGroup:
             start, end, at = owned
             self.master[at : at + end - start].copy_(value.reshape(-1)[start:end])
         if self.keeps_full(index):
-            self.param_views[index].copy_(value)
+            # Until finish() the views are apart from the parameters; after it the parameters are the views.
+            view = self.param_views[index] if self.param_views else self.params[index]
+            view.copy_(value)
 
     def load_owned(self, index: int, owned_value: torch.Tensor) -> None:
         """Take only this rank's part of parameter `index` (flattened, the `owned_range` of its slot),

@@ -199,3 +199,50 @@ def reduce_buckets_in_flight(rank: int, world_size: int, reduce_bucket_size: int
     units = [unit.numel for group in engine.groups for unit in group.layout.units]
     engine.close()
     return {"in_flight": in_flight, "units": units, "losses": losses}
+
+
+# What each module load case loads after two steps (see test_zero_module_loads.py): the whole model from
+# another seed's weights, through the module or through the engine, or only the first block.
+MODULE_LOAD_CASES = {
+    "stage0": {"stage": 0},
+    "stage1": {"stage": 1},
+    "stage2": {"stage": 2},
+    "stage2_offload": {"stage": 2, "offload_optimizer": "cpu"},
+    "stage1_through_engine": {"stage": 1},
+    "stage2_first_block": {"stage": 2},
+}
+MODULE_LOAD_STEPS = 4  # the load comes after half of them
+
+
+def load_midway(case: str, model: torch.nn.Module, engine: torch.nn.Module | None = None) -> None:
+    """The case's load of another seed's weights into `model` (the engine's module, or the reference's
+    model): whole, through `engine` (keys `module.`-prefixed) where one is given, or its first block only."""
+    replacement = make_model(seed=5).state_dict()
+    if case.endswith("first_block"):
+        block = {k.removeprefix("blocks.0."): v for k, v in replacement.items() if k.startswith("blocks.0.")}
+        model.blocks[0].load_state_dict(block)
+    elif case.endswith("through_engine") and engine is not None:
+        engine.load_state_dict({f"module.{k}": v for k, v in replacement.items()})
+    else:
+        model.load_state_dict(replacement)
+
+
+def module_load_matrix(rank: int, world_size: int) -> dict:
+    """Each MODULE_LOAD_CASES engine: losses and final parameters of MODULE_LOAD_STEPS steps with a
+    `load_state_dict` into its module (or itself) after the first half."""
+    results = {}
+    for case, config in MODULE_LOAD_CASES.items():
+        model = make_model()
+        engine = initialize(model, make_optimizer(model), ZeroConfig(**{**SMALL, **config}))
+        losses = []
+        for step, batch in enumerate(batches(MODULE_LOAD_STEPS)):
+            if step == MODULE_LOAD_STEPS // 2:
+                load_midway(case, engine.module, engine)
+            input_ids, labels = local(batch, rank, world_size)
+            loss = engine(input_ids, labels)
+            engine.backward(loss)
+            engine.step()
+            losses.append(_mean_over_ranks(loss))
+        results[case] = {"losses": losses, "state": engine.full_state_dict()}
+        engine.close()
+    return results
