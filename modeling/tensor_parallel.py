@@ -11,7 +11,8 @@ DTensor path, inference) and `apply_tensor_parallel` (ours, training) cut the sa
 - row-parallel linear (`rowwise`): weight cut by input columns; the local product goes through `g`
   (all-reduce forward, identity backward); the bias, replicated, is added once after it.
 - vocabulary-parallel embedding (`embedding_rowwise`): rank r holds rows [r V/t, (r+1) V/t); ids
-  outside are looked up as 0, zeroed, and the partial embeddings all-reduced (`g`).
+  outside are looked up as 0, zeroed, and the partial embeddings all-reduced (`g`). An id outside the
+  whole vocabulary is an error, as for `nn.Embedding` ([Note: ids outside the vocabulary]).
 - the head (`colwise_gather_output`): the tied embedding rows; called as a module it all-gathers the
   logits over the vocabulary (full (B, T, V), what generation reads), while the model's loss uses the
   local logits (B, T, V/t) and `vocab_parallel_cross_entropy`, which never gathers them.
@@ -31,6 +32,16 @@ checks that with one small all-gather and raises `ValueError` otherwise. The sli
 every rank), then runs under a forked RNG seeded with it plus an offset per tensor rank, as Megatron's
 model-parallel RNG tracker does. Activation checkpointing restores the default generators before it
 recomputes, so the recomputed masks are the same.
+
+[Note: ids outside the vocabulary]
+Cut by vocabulary, every rank sees most ids as someone else's: the embedding zeroes them and the loss
+takes the target's logit as 0 from the ranks that do not own it. An id (or a label other than
+`ignore_index`) that no rank owns would thus embed as a zero vector, or train on a logit of 0, where
+the unsliced `nn.Embedding` and `F.cross_entropy` raise. Both check the range with
+`torch._assert_async`: eager on the CPU it raises at once (RuntimeError); on CUDA it is a device-side
+assert, as `F.cross_entropy`'s own, so the hot path gains no host synchronisation per step; and Dynamo
+traces it into the graph (checked under `fullgraph=True`), so the compiled loss gains no graph break.
+An `if bool(...)` test would do neither.
 """
 
 from __future__ import annotations
@@ -211,8 +222,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup, ignore_index: int = IGNORE_INDEX
 ) -> torch.Tensor:
-    """Per-token loss (N,) of local logits (N, V/t); `ignore_index` targets give 0."""
+    """Per-token loss (N,) of local logits (N, V/t); `ignore_index` targets give 0; a target outside
+    [0, V) raises ([Note: ids outside the vocabulary])."""
+    vocab = logits.shape[-1] * dist.get_world_size(group)
+    _assert_in_vocabulary(target, vocab, "label", ignore_index)
     return _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index)
+
+
+def _assert_in_vocabulary(ids: torch.Tensor, vocab: int, what: str, ignore_index: int | None = None) -> None:
+    """Raise (or, on CUDA, assert on the device) unless every id is in [0, `vocab`) or `ignore_index`.
+    [Note: ids outside the vocabulary]"""
+    inside = (ids >= 0) & (ids < vocab)
+    if ignore_index is not None:
+        inside |= ids == ignore_index
+    ignored = "" if ignore_index is None else f" (other than the ignored {ignore_index})"
+    torch._assert_async(inside.all(), f"a {what}{ignored} is outside the vocabulary of {vocab} ids")
 
 
 def vocab_parallel_causal_lm_loss(
@@ -273,6 +297,7 @@ class _VocabParallelEmbedding(_TensorParallelModule):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight.shape[0]
+        _assert_in_vocabulary(ids, rows * self.tp_degree, "token id")  # else a silent zero vector
         local = ids - self.tp_rank * rows
         outside = (local < 0) | (local >= rows)
         found = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, H)

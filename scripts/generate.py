@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tnlg.inference.distributed import (
+    MIXED_PRECISION,
     generate_on_ranks,
     init_process_group_from_environment,
     load_sharded_model,
@@ -27,6 +28,7 @@ from tnlg.inference.distributed import (
 from tnlg.inference.generation import generate_texts, load_model_and_tokenizer
 from tnlg.inference.settings import GenerationSettings
 from tnlg.run.cli import exit_on_input_error
+from tnlg.sharding import ZeroConfig
 from tnlg.sharding.deepspeed import zero_config_from
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,10 +55,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-beams", type=int, default=1)
     parser.add_argument("--no-cache", action="store_true", help="recompute attention over the whole prefix")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default 8)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        help="compute dtype (default: float32, or the --zero-config's bf16/fp16 when it enables one)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
-        "--seed", type=int, default=0, help="seeds random init (presets) and sampling (rank r: seed + r)"
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds random init (presets) and sampling (rank r: seed + r; a tensor-sliced replica "
+        "samples as its first rank)",
     )
     parser.add_argument(
         "--zero-stage",
@@ -83,13 +93,33 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--batch-size {args.batch_size}: must be at least 1 (prompts per generate call)")
 
 
+def sharded_settings(args: argparse.Namespace) -> tuple[ZeroConfig, torch.dtype | None]:
+    """The ZeroConfig for a sharded model (--zero-config, its stage replaced by --zero-stage) and the
+    --dtype to load it in: None leaves the config's mixed precision. A --dtype that disagrees with a
+    --zero-config enabling bf16 or fp16 is a ValueError naming both (a config that enables neither
+    takes the --dtype, the rule of every front door: `DeepSpeedConfig.with_mixed_precision`)."""
+    config = zero_config_from(args.zero_config)
+    if args.zero_stage is not None:
+        config = config.replace(stage=args.zero_stage)
+    dtype = None if args.dtype is None else DTYPES[args.dtype]
+    if dtype is not None and config.mixed_precision not in ("no", MIXED_PRECISION[dtype]):
+        raise ValueError(
+            f"--dtype {args.dtype} conflicts with --zero-config {args.zero_config}, which enables "
+            f"{config.mixed_precision}: leave out --dtype, or make them agree"
+        )
+    return config, dtype
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config, dtype = sharded_settings(args)  # read before any process group or model: errors come first
     own_group = not (dist.is_available() and dist.is_initialized())  # a caller's group is left alone
     distributed = init_process_group_from_environment()
     rank = dist.get_rank() if distributed else 0
-    torch.manual_seed(args.seed + rank)  # ranks sampling the same prompt must not draw the same tokens
+    # Data-parallel replicas sampling the same prompt must not draw the same tokens; the ranks of one
+    # tensor-sliced replica all draw its first rank's stream (generate_on_ranks).
+    torch.manual_seed(args.seed + rank)
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise SystemExit("no prompt: pass --prompt or write prompts to stdin")
@@ -103,16 +133,13 @@ def main(argv: list[str] | None = None) -> None:
         use_cache=not args.no_cache,
     )
     if distributed or args.zero_stage is not None or args.zero_config:
-        config = zero_config_from(args.zero_config)
-        if args.zero_stage is not None:
-            config = config.replace(stage=args.zero_stage)
         engine, tokenizer = load_sharded_model(
-            args.model, config, tokenizer=args.tokenizer, dtype=DTYPES[args.dtype], device=args.device
+            args.model, config, tokenizer=args.tokenizer, dtype=dtype, device=args.device
         )
         completions = generate_on_ranks(engine, tokenizer, prompts, settings, args.batch_size)
     else:
         model, tokenizer = load_model_and_tokenizer(
-            args.model, DTYPES[args.dtype], args.device, args.tokenizer
+            args.model, dtype or torch.float32, args.device, args.tokenizer
         )
         completions = generate_texts(model, tokenizer, prompts, settings, args.batch_size)
     if rank == 0:  # every rank holds every completion: one prints them

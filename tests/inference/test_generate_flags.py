@@ -3,13 +3,17 @@ below 1 are refused before the model loads, never dropped or failed on mid-run."
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 from transformers import GenerationConfig
 
 from scripts.generate import parse_args
 from tnlg.data.tokenizer import byte_level_tokenizer
 from tnlg.inference.generation import generate_texts
 from tnlg.inference.settings import GenerationSettings
+from tnlg.run.cli import exit_on_input_error
 from tnlg.run.finetune_config import check_generation
 
 
@@ -46,3 +50,46 @@ def test_the_run_config_check_refuses_sampling_settings_without_do_sample():
     check_generation(GenerationSettings(do_sample=True, top_p=0.9), "evaluation.generation")
     with pytest.raises(ValueError, match=r"evaluation\.generation\.top_p must be left unset"):
         check_generation(GenerationSettings(top_p=0.9), "evaluation.generation")
+
+
+def _sharded_dtype(monkeypatch, tmp_path, mixed_precision: str | None, *flags: str):
+    """The dtype and mixed precision scripts/generate.py loads a sharded model with, given a DeepSpeed
+    JSON enabling `mixed_precision` (None: no --zero-config) and `flags`; nothing is loaded."""
+    import scripts.generate as script
+    from tnlg.sharding.deepspeed import zero_config_from
+
+    seen = {}
+
+    def load(model, config, *, tokenizer=None, dtype=None, device=None):
+        seen["dtype"], seen["mixed_precision"] = dtype, zero_config_from(config).mixed_precision
+        return object(), byte_level_tokenizer()
+
+    monkeypatch.setattr(script, "load_sharded_model", load)
+    monkeypatch.setattr(script, "generate_on_ranks", lambda engine, tokenizer, prompts, *_: list(prompts))
+    arguments = ["--model", str(tmp_path), "--prompt", "hi", "--device", "cpu", "--zero-stage", "0", *flags]
+    if mixed_precision is not None:
+        deepspeed = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}
+        deepspeed[mixed_precision] = {"enabled": True}
+        path = tmp_path / "deepspeed.json"
+        path.write_text(json.dumps(deepspeed))
+        arguments += ["--zero-config", str(path)]
+    exit_on_input_error(script.main)(arguments)
+    return seen["dtype"], seen["mixed_precision"]
+
+
+def test_the_zero_configs_precision_holds_unless_dtype_is_given(monkeypatch, tmp_path):
+    assert _sharded_dtype(monkeypatch, tmp_path, "bf16") == (None, "bf16")
+    assert _sharded_dtype(monkeypatch, tmp_path, "bf16", "--dtype", "bfloat16") == (torch.bfloat16, "bf16")
+    assert _sharded_dtype(monkeypatch, tmp_path, None, "--dtype", "float16") == (torch.float16, "no")
+    assert _sharded_dtype(monkeypatch, tmp_path, None) == (None, "no")
+
+
+@pytest.mark.parametrize(("dtype", "enabled"), [("float32", "bf16"), ("bfloat16", "fp16")])
+def test_a_dtype_that_disagrees_with_the_zero_config_is_refused(
+    monkeypatch, tmp_path, capsys, dtype, enabled
+):
+    with pytest.raises(SystemExit) as exit_info:
+        _sharded_dtype(monkeypatch, tmp_path, enabled, "--dtype", dtype)
+    error = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(error) == 1
+    assert f"--dtype {dtype}" in error[0] and "deepspeed.json" in error[0] and enabled in error[0]

@@ -148,3 +148,27 @@ def test_generate_script_prints_one_line_per_prompt(capsys):
     main(["--model", "debug", "--prompt", "hello", "--prompt", "world", "--max-new-tokens", "4"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split(" -> ")[0] for line in lines] == ["'hello'", "'world'"]
+
+
+def test_generation_draws_no_id_from_the_padded_part_of_the_vocabulary(monkeypatch):
+    """The debug preset pads the vocabulary to 512 rows; the byte-level tokenizer has 257 ids. Rows
+    257-511 have no token: sampling must not draw them (decoding would drop them silently)."""
+    model, tokenizer = load_model_and_tokenizer("debug")
+    assert len(tokenizer) < model.config.vocab_size
+    generated = []
+    generate = model.generate
+
+    def keep(*args, **kwargs):
+        generated.append(generate(*args, **kwargs))
+        return generated[-1]
+
+    monkeypatch.setattr(model, "generate", keep)
+    torch.manual_seed(0)
+    settings = GenerationSettings(max_new_tokens=16, do_sample=True, top_k=0, temperature=2.0)
+    generate_texts(model, tokenizer, ["hello", "abc"], settings)
+    assert generated[0].max() < len(tokenizer)
+    # Without it, this draw reaches past the tokenizer (so the assertion above can fail).
+    torch.manual_seed(0)
+    batch = tokenizer(["hello", "abc"], return_tensors="pt", padding=True)
+    plain = generate(**batch, generation_config=settings.to_generation_config(tokenizer))
+    assert plain.max() >= len(tokenizer)

@@ -160,3 +160,23 @@ def test_activation_checkpointing_recomputes_the_same_masks() -> None:
 def test_apply_refuses_a_module_without_a_plan() -> None:
     with pytest.raises(ValueError, match="no module of this model matches"):
         apply_tensor_parallel(torch.nn.Linear(4, 4), group=None)
+
+
+@pytest.mark.slow
+def test_ids_and_labels_outside_the_vocabulary_raise_as_unsliced() -> None:
+    """The unsliced embedding and cross-entropy raise on an id or a label outside [0, vocab) (other than
+    the ignored -100); so do the cut ones, eager and compiled whole, instead of a zero vector and a
+    silent loss on the wrong logit."""
+    reference = cases.make_model()
+    for bad in (cases.VOCAB, -1):
+        with pytest.raises(IndexError):
+            reference(torch.tensor([[1, 2, bad, 4]]))
+        with pytest.raises((IndexError, RuntimeError)):
+            reference(torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, bad, 4]]))
+    for result in run_distributed(cases.out_of_range_case, 2, timeout=180):
+        eager_loss, compiled_loss, eager_embed, compiled_embed = result.pop("valid")
+        assert len(result) == 10  # ids and labels 64 and -1: eager and compiled (and labels via the model)
+        for case, message in result.items():
+            assert f"outside the vocabulary of {cases.VOCAB}" in message, (case, message)
+        torch.testing.assert_close(compiled_loss, eager_loss, rtol=0, atol=ATOL)
+        torch.testing.assert_close(compiled_embed, eager_embed, rtol=0, atol=0)

@@ -212,3 +212,46 @@ def checkpointed_dropout_case(rank: int, world_size: int) -> dict:
         loss.backward()
         losses.append(loss.detach())
     return {"losses": losses, "grads": _grads(plain), "checkpointed": _grads(checkpointed)}
+
+
+def _message(function, *args) -> str:
+    """The error `function(*args)` raises (type and message), or "no error"."""
+    try:
+        function(*args)
+    except (IndexError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def out_of_range_case(rank: int, world_size: int) -> dict[str, str]:
+    """Ids and labels outside the vocabulary, through the cut embedding and the vocabulary-parallel loss,
+    eager and compiled whole (`fullgraph`: the check must not break the graph)."""
+    from tnlg.modeling.tensor_parallel import vocab_parallel_causal_lm_loss
+
+    model = make_model()
+    apply_tensor_parallel(model, dist.group.WORLD)
+    embed = model.model.embed_tokens
+    hidden = torch.randn(1, 4, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def loss(labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_causal_lm_loss(model.lm_head, hidden, labels)
+
+    compiled_embed = torch.compile(embed, backend="aot_eager", fullgraph=True)
+    compiled_loss = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    results = {}
+    for id_ in (VOCAB, -1):
+        ids = torch.tensor([[1, 2, id_, 4]])
+        results[f"id {id_}"] = _message(embed, ids)
+        results[f"id {id_} compiled"] = _message(compiled_embed, ids)
+        results[f"label {id_}"] = _message(loss, ids)
+        results[f"label {id_} compiled"] = _message(compiled_loss, ids)
+        results[f"label {id_} model"] = _message(lambda i=ids: model(torch.tensor([[1, 2, 3, 4]]), labels=i))
+    valid = torch.tensor([[1, -100, VOCAB - 1, 0]])
+    with torch.no_grad():
+        results["valid"] = (
+            loss(valid),
+            compiled_loss(valid),
+            embed(valid.clamp(min=0)),
+            compiled_embed(valid.clamp(min=0)),
+        )
+    return results

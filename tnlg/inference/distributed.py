@@ -11,10 +11,15 @@ stop calling forward and leave the others waiting in a gather forever. Hence `sy
 (a finished rank keeps doing throwaway forward passes until every rank is done) and throwaway
 batches for ranks with fewer prompts. Stages 0-2 do not need it, and it costs them one tiny
 all-reduce per token.
+
+Under tensor slicing the ranks of one replica generate the same prompts together, and must feed the
+model the same ids: each call first checks that they were given the same prompts and settings, then
+samples from one stream per replica ([Note: one stream per replica] in tnlg.inference.ranks).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -25,14 +30,23 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
+from tnlg.data.tokenizer import pad_id
 from tnlg.inference.generation import (
     Prompt,
     check_vocabulary,
     generate_batch,
     generate_texts,
+    generation_config,
     load_tokenizer_for,
 )
-from tnlg.inference.ranks import rank_slice, work_share
+from tnlg.inference.ranks import (
+    WorkShare,
+    model_device,
+    rank_slice,
+    replica_differs,
+    replica_rng,
+    work_share,
+)
 from tnlg.inference.settings import GenerationSettings
 from tnlg.modeling import TNLGForCausalLM
 from tnlg.sharding import ZeroConfig, ZeroEngine, initialize, meta_from_pretrained
@@ -105,19 +119,36 @@ def generate_on_ranks(
 
     Collective: every rank of the default process group calls it with the same `prompts` (text or
     token ids, as for `generate_texts`), `settings` and `batch_size`. `model` is a `ZeroEngine` (any
-    stage; it must shard over the default group, which `synced_gpus` synchronises on) or a plain
-    model replicated on every rank. The prompts are shared by data-parallel rank: under tensor slicing
-    the ranks of one replica generate the same share together. Without a process group (or with one
-    data-parallel share) this is `generate_texts`. Sampling draws from each rank's own generator: seeding the ranks (differently,
-    or not) is the caller's choice.
+    stage; it must shard over the default group, which `synced_gpus` synchronises on), a plain model
+    replicated on every rank, or one cut by `apply_tensor_parallel` over every rank. The prompts are
+    shared by data-parallel rank: under tensor slicing the ranks of one replica generate the same share
+    together, refuse (all of them, with a ValueError) prompts or settings that differ between them, and
+    sample from the stream of the replica's first rank, however each rank was seeded; that rank's
+    generator advances, the others' are left as they were. Data-parallel replicas each sample from
+    their own generator: seeding them (differently, or not) is the caller's choice. Without a process
+    group (or with one data-parallel share) this is `generate_texts`.
     """
     settings = settings or GenerationSettings()
     module = model.module if isinstance(model, ZeroEngine) else model
     # By data-parallel rank: the ranks of one tensor-sliced replica generate the same prompts together
     # (see [Note: evaluation by data rank] in tnlg.inference.ranks).
     share = work_share(model)
-    if share.count == 1:
-        return generate_texts(module, tokenizer, prompts, settings, batch_size)
+    check_replica_agrees(share, tokenizer, prompts, settings, batch_size)
+    with replica_rng(share.replica, model_device(module)):
+        if share.count == 1:
+            return generate_texts(module, tokenizer, prompts, settings, batch_size)
+        return _generate_share(module, tokenizer, prompts, settings, batch_size, share)
+
+
+def _generate_share(
+    module: TNLGForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Prompt],
+    settings: GenerationSettings,
+    batch_size: int,
+    share: WorkShare,
+) -> list[str]:
+    """`generate_on_ranks` with several data-parallel shares: this rank's, then everyone's gathered."""
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     start, end = rank_slice(len(prompts), share.index, share.count)
@@ -125,7 +156,7 @@ def generate_on_ranks(
     # Share 0 is the largest (it starts at 0): every rank runs as many batches as it does.
     largest = rank_slice(len(prompts), 0, share.count)[1]
     batches = -(-largest // batch_size)
-    config = settings.to_generation_config(tokenizer)
+    config = generation_config(settings, tokenizer, module)
     completions: list[str] = []
     for index in range(batches):
         batch = mine[index * batch_size : (index + 1) * batch_size]
@@ -138,3 +169,36 @@ def generate_on_ranks(
     shares: list[list[str] | None] = [None] * share.count
     dist.all_gather_object(shares, completions, group=share.group)
     return [text for share in shares for text in share or []]
+
+
+def check_replica_agrees(
+    share: WorkShare,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Prompt],
+    settings: GenerationSettings,
+    batch_size: int,
+) -> None:
+    """Raise ValueError, on every rank of this rank's replica, unless all of them were given the same
+    prompts and the same settings (batch size and tokenizer's special ids included): one small
+    all-gather of two digests per call. [Note: one stream per replica] in tnlg.inference.ranks"""
+    if not share.replica:
+        return
+    wanted = (repr(settings), batch_size, len(tokenizer), pad_id(tokenizer), tokenizer.eos_token_id)
+    digests = torch.tensor([_digest(map(repr, prompts)), _digest([repr(wanted)])])
+    found = replica_differs(share.replica, digests)
+    differ = [name for name, differs in zip(("prompts", "settings"), found, strict=True) if differs]
+    if differ:
+        raise ValueError(
+            f"generate_on_ranks: the ranks of one tensor-sliced model replica were given different "
+            f"{' and different '.join(differ)}: they run every forward pass together, so every rank of a "
+            "replica must pass the same prompts, settings and batch_size"
+        )
+
+
+def _digest(parts) -> int:
+    """A signed 64-bit digest of the strings `parts`, in order."""
+    hasher = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        hasher.update(part.encode())
+        hasher.update(b"\0")  # "ab", "c" and "a", "bc" differ
+    return int.from_bytes(hasher.digest(), "little", signed=True)

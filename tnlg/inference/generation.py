@@ -77,11 +77,19 @@ def generate_texts(
     left padding. `settings` defaults to greedy decoding (`GenerationSettings()`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1 (prompts per generate call), got {batch_size}")
-    config = (settings or GenerationSettings()).to_generation_config(tokenizer)
+    config = generation_config(settings or GenerationSettings(), tokenizer, model)
     completions: list[str] = []
     for start in range(0, len(prompts), batch_size):
         completions.extend(generate_batch(model, tokenizer, prompts[start : start + batch_size], config))
     return completions
+
+
+def generation_config(
+    settings: GenerationSettings, tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module
+) -> GenerationConfig:
+    """`settings` for `model`: never generating the rows of its vocabulary past the tokenizer's ids."""
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return settings.to_generation_config(tokenizer, vocab_size)
 
 
 def generate_batch(

@@ -32,7 +32,12 @@ class GenerationSettings:
     num_beams: int = 1
     use_cache: bool = True
 
-    def to_generation_config(self, tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
+    def to_generation_config(
+        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None
+    ) -> GenerationConfig:
+        """Transformers' config for these settings. Given the model's `vocab_size`, the rows past the
+        tokenizer's ids (a vocabulary padded to split evenly, e.g. GPT-2's 50257 to 50432) are never
+        generated: they decode to nothing, so a drawn one would vanish from the text."""
         problems = setting_problems(self)
         if problems:
             name, value, expected = problems[0]
@@ -46,7 +51,16 @@ class GenerationSettings:
             pad_token_id=pad_id(tokenizer),
             eos_token_id=tokenizer.eos_token_id,
             **sampling,
+            **padded_rows(tokenizer, vocab_size),
         )
+
+
+def padded_rows(tokenizer: PreTrainedTokenizerBase, vocab_size: int | None) -> dict[str, list[int]]:
+    """{"suppress_tokens": the ids from len(tokenizer) to `vocab_size`}, or {} when there are none
+    (left out then, so that a model whose vocabulary fits its tokenizer generates exactly as before)."""
+    if vocab_size is None or vocab_size <= len(tokenizer):
+        return {}
+    return {"suppress_tokens": list(range(len(tokenizer), vocab_size))}
 
 
 def setting_problems(settings: GenerationSettings) -> list[tuple[str, object, str]]:
