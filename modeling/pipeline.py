@@ -87,6 +87,11 @@ class PipelineSplit:
     layers: list[range]
     hidden_size: int  # what the stages send each other: (batch, length, hidden_size)
     max_positions: int  # the longest sequence they take
+    # What the first stage's embedding and the last stage's loss take: token ids and labels in
+    # [0, vocab_size), labels also `ignore_index` (no loss). Declared so that an engine can refuse a bad
+    # value before a schedule starts, where only one stage would meet it and the others would wait.
+    vocab_size: int
+    ignore_index: int | None = tensor_parallel.IGNORE_INDEX
 
 
 class TNLGPipelineStage(nn.Module):
@@ -189,6 +194,7 @@ def split_pipeline(model: nn.Module, stages: Sequence[int], num_stages: int) -> 
         layers,
         config.hidden_size,
         config.max_position_embeddings,
+        config.vocab_size,
     )
     model._tnlg_pipeline_split = split
     return split

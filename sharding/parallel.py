@@ -163,6 +163,8 @@ class PipelineSplit(Protocol):
     shared: Mapping[str, Sequence[int]]  # {parameter name: the stages that each hold it} (a tied embedding)
     hidden_size: int  # what the stages send each other: (batch, length, hidden_size)
     max_positions: int  # the longest sequence they take
+    vocab_size: int  # token ids and labels are in [0, vocab_size): checked before a schedule starts
+    ignore_index: int | None  # the label of no loss (None: every label counts)
 
 
 @dataclass

@@ -148,6 +148,68 @@ def test_virtual_stages_need_pipeline_ranks():
         load_run_config(None, ["--parallel.pipeline", "2", "--parallel.virtual_stages", "0"])
 
 
+INTERLEAVED = ["--parallel.pipeline", "2", "--parallel.virtual_stages", "2"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["--train.gradient_accumulation_steps", "5"],
+            r"parallel\.virtual_stages 2 with train\.gradient_accumulation_steps 5: 5 micro-batches for 4 pipeline "
+            r"stages .* multiple of its rounds, max\(1, count // 2\) = 2 here; e\.g\. 4 or 6 micro-batches",
+        ),
+        (
+            ["--train.eval_batches", "7"],
+            r"parallel\.virtual_stages 2 with train\.eval_batches 7: 7 micro-batches .* = 3 here; e\.g\. 6 or 8",
+        ),
+    ],
+)
+def test_interleaved_counts_torch_refuses_are_named_when_read(overrides, message):
+    # Else torch refuses the step's count at step 1, the evaluation's at the first evaluation (after
+    # steps that may not have been saved), either naming no setting.
+    with pytest.raises(ValueError, match=message):
+        load_run_config(None, [*INTERLEAVED, *overrides])
+
+
+def test_interleaved_counts_the_schedule_takes_are_accepted(tmp_path):
+    for steps in ("1", "3", "4", "6"):  # 1 and 3 are cut to 2 and 3 micro-batches: one round
+        config = load_run_config(None, [*INTERLEAVED, "--train.gradient_accumulation_steps", steps])
+        assert config.train.gradient_accumulation_steps == int(steps)
+    # No evaluation, no evaluation's count to check: eval_every 0, or a corpus without validation text.
+    load_run_config(None, [*INTERLEAVED, "--train.eval_batches", "7", "--train.eval_every", "0"])
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  sources:\n    - {name: web, paths: [a.jsonl]}\n")
+    config = load_run_config(path, [*INTERLEAVED, "--train.eval_batches", "7"])
+    assert stream_config(config.data, 0, "validation") is None  # what pretraining then evaluates: nothing
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["--train.micro_batch_size", "3"],
+            r"train\.gradient_accumulation_steps 1 with parallel\.pipeline 2: each batch is cut into 2 equal parts .*"
+            r"train\.micro_batch_size 3 is not a multiple of 2",
+        ),
+        (
+            [
+                "--train.micro_batch_size",
+                "3",
+                "--train.gradient_accumulation_steps",
+                "2",
+                "--train.eval_batches",
+                "1",
+            ],
+            r"train\.eval_batches 1 with parallel\.pipeline 2: .* make it one, or train\.eval_batches at least 2",
+        ),
+    ],
+)
+def test_batches_the_pipeline_cut_cannot_divide_are_named_when_read(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_run_config(None, ["--parallel.pipeline", "2", *overrides])
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [("0", "must be an integer >= 1, got 0"), ("1.5", "expected int, got 1.5"), ("true", "expected int")],

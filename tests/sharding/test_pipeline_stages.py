@@ -3,6 +3,8 @@ communication of a step against the analytic volumes."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from tests.support.pipeline_cases import (
     dropout_generators_out_of_step,
     evaluate_after_training,
     frozen_tied_embedding,
+    mid_schedule_refusals,
     optimizer_beyond_the_model,
     pipeline_refusals,
     pipeline_traffic,
@@ -22,6 +25,7 @@ from tests.support.pipeline_cases import (
 from tests.support.tensor_parallel_cases import make_config, make_model
 from tests.support.zero_models import train_one_process
 from tnlg.sharding import ParallelDims
+from tnlg.sharding.pipeline import schedule_count_problem
 from tnlg.tools.spawn import run_distributed
 
 
@@ -113,6 +117,89 @@ def test_what_pipeline_stages_cannot_run_is_refused_by_name_on_every_rank():
     assert results[1][5:] == results[0][5:]
 
 
+@pytest.fixture(scope="module")
+def refusals():
+    # A short collective timeout: a rank left waiting for another that raised mid-schedule would end in a
+    # timeout error, not in the ValueError every rank must raise before the schedule starts.
+    return run_distributed(mid_schedule_refusals, 2, timeout=300, collective_timeout=20)
+
+
+VALUE_REFUSALS = {
+    "token": "train_batch: micro-batch 1: token id 64 is outside the vocabulary [0, 64)",
+    "negative token": "train_batch: micro-batch 0: token id -1 is outside the vocabulary [0, 64)",
+    "label": "train_batch: micro-batch 1: label 64 is outside the vocabulary [0, 64) and not the ignore index -100",
+    "negative label": "train_batch: micro-batch 0: label -5 is outside the vocabulary [0, 64)",
+    "float labels": "train_batch: micro-batch 0: labels must be integer token ids (-100: no loss), got torch.float32",
+    "negative position": "train_batch: micro-batch 0: position id -1 is outside [0, 32) (max_position_embeddings)",
+    "position beyond": "train_batch: micro-batch 0: position id 40 is outside [0, 32)",
+    "eval label": "eval_batch: micro-batch 1: label 64 is outside the vocabulary [0, 64)",
+}
+
+
+def test_values_only_one_stage_would_meet_are_refused_on_every_rank_before_the_schedule(refusals):
+    # Token ids meet the first stage's embedding, labels the last stage's loss: mid-schedule, one stage
+    # would raise and the other wait. Every rank raises the same ValueError instead.
+    for case, message in VALUE_REFUSALS.items():
+        assert refusals[0][case].startswith(f"ValueError: {message}"), (case, refusals[0][case])
+        assert refusals[1][case] == refusals[0][case], case
+    # A bad value on one rank only (a data replica's own batch): that rank names it, the others point to it.
+    assert refusals[0]["one rank's token"].startswith("ValueError: train_batch: micro-batch 0: token id 64 ")
+    assert refusals[1]["one rank's token"] == (
+        "ValueError: train_batch: another rank's pipeline stage refused these micro-batches (see its error)"
+    )
+    for result in refusals:  # int32 labels are taken as the int64 ones; the engine still trains
+        assert result["int32 labels"][0] == result["int32 labels"][1]
+        assert result["trained"] == refusals[0]["trained"] and math.isfinite(result["trained"])
+
+
+def test_ranks_passing_different_micro_batches_all_refuse_the_step(refusals):
+    # Rank 0: 2 micro-batches of 2 rows, rank 1: 4 of 1; then rows of 12 and of 8 tokens.
+    assert refusals[0]["counts"] == refusals[1]["counts"]
+    assert refusals[0]["counts"].startswith(
+        "ValueError: train_batch: the ranks disagree on their micro-batches (micro-batch counts 2..4, rows per "
+        "micro-batch 1..2): under pipeline stages every rank of a step passes the same number"
+    )
+    assert refusals[0]["lengths"] == refusals[1]["lengths"]
+    assert "disagree on their micro-batches (lengths 8..12)" in refusals[0]["lengths"]
+
+
+def test_fewer_micro_batches_than_stages_are_refused_by_name(refusals):
+    for case, action in (("one micro-batch", "train_batch"), ("one micro-batch eval", "eval_batch")):
+        assert refusals[0][case] == refusals[1][case], action
+        assert refusals[0][case] == (
+            "ValueError: 1 micro-batch(es) for 2 pipeline stages: the 1F1B schedule needs at least as many "
+            "micro-batches as stages; split the batch into at least 2 micro-batches"
+        )
+
+
+def test_interleaved_counts_are_refused_naming_the_count_stages_and_rule(refusals):
+    assert refusals[0]["interleaved 5"] == refusals[1]["interleaved 5"]
+    assert refusals[0]["interleaved 5"] == (
+        "ValueError: 5 micro-batches for 4 pipeline stages (2 on each of 2 ranks): the interleaved 1F1B schedule "
+        "needs a count that is a multiple of its rounds, max(1, count // 2) = 2 here; e.g. 4 or 6 micro-batches"
+    )
+
+
+@pytest.mark.parametrize("pipeline", [2, 3, 4, 8])
+def test_the_counts_an_interleaved_refusal_suggests_are_taken(pipeline):
+    refused = 0
+    for count in range(1, 12 * pipeline):
+        problem = schedule_count_problem(count, pipeline, 2)
+        if problem is None:
+            continue
+        refused += 1
+        below, above = (
+            int(n) for n in problem.split("e.g. ")[1].removesuffix(" micro-batches").split(" or ")
+        )
+        assert below < count < above
+        assert schedule_count_problem(below, pipeline, 2) is None
+        assert schedule_count_problem(above, pipeline, 2) is None
+        assert all(
+            schedule_count_problem(n, pipeline, 2) for n in range(count + 1, above)
+        )  # the nearest above
+    assert refused  # every degree here has counts torch refuses
+
+
 @pytest.mark.slow
 def test_a_frozen_tied_embedding_trains_the_rest_like_one_process():
     results = run_distributed(frozen_tied_embedding, 4, timeout=600)
@@ -181,6 +268,9 @@ def test_step_traffic_equals_the_analytic_pipeline_and_zero_volumes(stage):
         assert counted.pop("all_reduce/data") == 8 + 4
         assert counted.pop("all_reduce/pipeline") == 8
         assert counted.pop("broadcast/pipeline") == 4
+        # The ranks' agreement on the step's micro-batches before the schedule: 9 int64 over the world
+        # ([Note: micro-batches agreed before the schedule] in sharding/pipeline.py).
+        assert counted.pop("all_reduce/world") == 9 * 8
         assert counted == {}  # nothing else
 
 

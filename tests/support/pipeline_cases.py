@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from tests.support.parallel_cases import tnlg_batches, tnlg_optimizer
 from tests.support.tensor_parallel_cases import make_model as make_tnlg
@@ -100,6 +101,7 @@ def pipeline_traffic(rank: int, world_size: int, stage: int) -> dict:
     engine.train_batch(micro)  # warm-up: nothing left to build in the counted step
     names = {id(engine.parallel.group(d)): d for d in ("pipeline", "data", "tensor")}
     names.update({id(group): "shared" for group in engine.pipeline.shared.values()})
+    names[id(dist.group.WORLD)] = "world"
     with counted_traffic(names) as counted:
         engine.train_batch(micro)
     result = {
@@ -204,5 +206,73 @@ def schedules_kept(rank: int, world_size: int) -> dict:
         "leftovers": sum(len(stage.fwd_cache) + len(stage.output_chunks) for stage in stages),
         "training": engine.module.training,
     }
+    engine.close()
+    return result
+
+
+def _refusal(attempt) -> str:
+    try:
+        attempt()
+    except Exception as error:  # what each rank raised, by type and message: a timeout is a failure too
+        return f"{type(error).__name__}: {error}"
+    return "accepted"
+
+
+def _micro_batches(ids: torch.Tensor, labels: torch.Tensor, count: int = 2, **extra) -> list[dict]:
+    return [
+        {"input_ids": i, "labels": t, **extra}
+        for i, t in zip(ids.chunk(count), labels.chunk(count), strict=True)
+    ]
+
+
+def _with(tensor: torch.Tensor, row: int, value) -> torch.Tensor:
+    changed = tensor.clone()
+    changed[row, 5] = value
+    return changed
+
+
+def mid_schedule_refusals(rank: int, world_size: int) -> dict:
+    """At pipeline 2 (and pipeline 2 x 2 virtual stages): what train_batch and eval_batch raise on each
+    rank for values only one stage would meet mid-schedule, for micro-batches the ranks disagree on, and
+    for counts torch's schedules refuse; then what a good step still gives. By case: "Type: message"."""
+    model = make_tnlg()
+    engine = initialize(model, tnlg_optimizer(model), ZeroConfig(stage=2), parallel=ParallelDims(pipeline=2))
+    ids, labels = tnlg_batches(1)[0]
+    vocab = model.config.vocab_size
+    positions = torch.arange(12)[None]
+    length = 12 - 4 * rank  # rank 1's micro-batches are shorter
+    one_bad = _with(ids, 0, vocab) if rank == 0 else ids  # as a data replica's alone may be
+    cases = {
+        "token": lambda: engine.train_batch(_micro_batches(_with(ids, 3, vocab), labels)),
+        "negative token": lambda: engine.train_batch(_micro_batches(_with(ids, 0, -1), labels)),
+        "label": lambda: engine.train_batch(_micro_batches(ids, _with(labels, 2, vocab))),
+        "negative label": lambda: engine.train_batch(_micro_batches(ids, _with(labels, 1, -5))),
+        "float labels": lambda: engine.train_batch(_micro_batches(ids, labels.float())),
+        "negative position": lambda: engine.train_batch(
+            _micro_batches(ids, labels, position_ids=_with(positions, 0, -1))
+        ),
+        "position beyond": lambda: engine.train_batch(
+            _micro_batches(ids, labels, position_ids=_with(positions, 0, 40))
+        ),
+        "eval label": lambda: engine.eval_batch(_micro_batches(ids, _with(labels, 3, vocab))),
+        "one rank's token": lambda: engine.train_batch(_micro_batches(one_bad, labels)),
+        "counts": lambda: engine.train_batch(_micro_batches(ids, labels, count=2 + 2 * rank)),
+        "lengths": lambda: engine.train_batch(_micro_batches(ids[:, :length], labels[:, :length])),
+        "one micro-batch": lambda: engine.train_batch(_micro_batches(ids, labels, count=1)),
+        "one micro-batch eval": lambda: engine.eval_batch(_micro_batches(ids, labels, count=1)),
+    }
+    result = {name: _refusal(attempt) for name, attempt in cases.items()}
+    # int32 labels are the int64 ones (the loss takes int64 only); then a good step trains on every rank.
+    result["int32 labels"] = (
+        engine.eval_batch(_micro_batches(ids, labels.int())).item(),
+        engine.eval_batch(_micro_batches(ids, labels)).item(),
+    )
+    result["trained"] = engine.train_batch(_micro_batches(ids, labels)).item()
+    engine.close()
+    model = make_tnlg(num_hidden_layers=4)
+    interleaved = ParallelDims(pipeline=2, virtual_stages=2)
+    engine = initialize(model, tnlg_optimizer(model), ZeroConfig(stage=1), parallel=interleaved)
+    many_ids, many_labels = (torch.cat([t, t[:1]]) for t in tnlg_batches(1)[0])  # 5 rows
+    result["interleaved 5"] = _refusal(lambda: engine.train_batch(_micro_batches(many_ids, many_labels, 5)))
     engine.close()
     return result

@@ -24,6 +24,7 @@ from tnlg.modeling import PRESETS, TNLGConfig
 from tnlg.sharding import CompileConfig, DeepSpeedConfig, ParallelDims, ZeroConfig, load_deepspeed
 from tnlg.sharding.compile import dotted_options
 from tnlg.sharding.config import MIXED_PRECISIONS
+from tnlg.sharding.pipeline import schedule_count_problem
 
 T = TypeVar("T")
 
@@ -204,6 +205,13 @@ class DataSection:
         if self.pretokenized:
             self._check_pretokenized_alone()
 
+    @property
+    def has_validation_text(self) -> bool:
+        """Whether a run evaluates on validation text: the configured validation sources, or the embedded
+        corpus's when no corpus is configured (a configured corpus without validation sources is not
+        evaluated on unrelated text)."""
+        return bool(self.validation_sources) or not (self.sources or self.pretokenized)
+
     def _check_pretokenized_alone(self) -> None:
         """With `pretokenized`, what only streamed sources use would be silently not applied. A setting
         equal to its default cannot be told from an unset one (and changes nothing): it is let through."""
@@ -321,6 +329,36 @@ class ParallelSection:
             return None
         return self._checked_dims()
 
+    def check_schedule(self, key: str, batches: int, rows: int) -> None:
+        """Under pipeline stages, that `batches` batches of `rows` rows (`key`: a step's batches or an
+        evaluation's) make micro-batches the schedule runs, once `pipeline_parts` has cut them: rows the cut
+        divides, and a count torch's schedule takes. Checked when the config is read, since a step's
+        schedule is built at step 1 and an evaluation's only at the first evaluation, after steps that may
+        not have been saved."""
+        if self.pipeline == 1:
+            return
+        parts = pipeline_parts(batches, self.pipeline)
+        if rows % parts:
+            raise ValueError(
+                f"{key} {batches} with parallel.pipeline {self.pipeline}: each batch is cut into {parts} equal parts "
+                f"to give the schedule {self.pipeline} micro-batches, but train.micro_batch_size {rows} is not a "
+                f"multiple of {parts}: make it one, or {key} at least {self.pipeline}"
+            )
+        problem = schedule_count_problem(batches * parts, self.pipeline, self.virtual_stages)
+        if problem is not None:  # only with virtual_stages > 1: the cut gives 1F1B at least `pipeline`
+            raise ValueError(
+                f"parallel.virtual_stages {self.virtual_stages} with {key} {batches}: {problem}; set {key} to such "
+                "a count"
+            )
+
+
+def pipeline_parts(batches: int, pipeline: int) -> int:
+    """Into how many equal parts each of `batches` batches is cut so that one pipeline schedule gets at
+    least `pipeline` micro-batches (1: none is cut). `tnlg.run.loop.pipeline_micro_batches` cuts so, and
+    `ParallelSection.check_schedule` checks what the cut gives when the config is read: the one place of
+    the arithmetic for both."""
+    return -(-pipeline // batches)  # ceil
+
 
 @dataclass(kw_only=True)
 class LoggingSection:
@@ -428,6 +466,12 @@ class TrainingConfig:
     train: TrainSection = field(default_factory=TrainSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
+    def __post_init__(self) -> None:
+        train = self.train
+        self.parallel.check_schedule(
+            "train.gradient_accumulation_steps", train.gradient_accumulation_steps, train.micro_batch_size
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -437,6 +481,13 @@ class RunConfig(TrainingConfig):
     """A pretraining run: the shared sections plus the corpus (`data`)."""
 
     data: DataSection = field(default_factory=DataSection)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.train.eval_every and self.data.has_validation_text:
+            self.parallel.check_schedule(
+                "train.eval_batches", self.train.eval_batches, self.train.micro_batch_size
+            )
 
 
 def require(name: str, value: Any, ok: bool, expected: str) -> None:

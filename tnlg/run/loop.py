@@ -36,7 +36,7 @@ from tnlg.run.activations import (
 )
 from tnlg.run.build import check_init_from, meta_model, model_config, run_tokenizer
 from tnlg.run.checkpoint import RunCheckpointer, check_resume_settings, resolve_checkpoint
-from tnlg.run.config import TrainingConfig
+from tnlg.run.config import TrainingConfig, pipeline_parts
 from tnlg.run.launch_checks import check_ranks_run_the_same_job
 from tnlg.run.metrics import LossCurve, flat_hyperparameters, peak_flops_per_device, tracker_names
 from tnlg.run.optim import build_optimizer, build_schedule
@@ -266,7 +266,7 @@ def pipeline_micro_batches(
     """`batches` as the micro-batches of one pipeline schedule (`pipeline_inputs`). The 1F1B schedule needs
     at least as many micro-batches as pipeline ranks: fewer batches are cut along their rows into equal
     parts until there are (more accumulation steps, not cuts, are what shrink the pipeline's idle time)."""
-    parts = -(-pipeline // len(batches))  # ceil
+    parts = pipeline_parts(len(batches), pipeline)
     rows = len(batches[0]["input_ids"])
     if rows % parts:
         raise ValueError(

@@ -68,7 +68,7 @@ def stream_config(data: DataSection, seed: int, split: str) -> StreamConfig | No
     if sections:
         # The config section has SourceConfig's fields (lists where SourceConfig keeps tuples).
         sources = tuple(SourceConfig(**{**dataclasses.asdict(s), "paths": tuple(s.paths)}) for s in sections)
-    elif split == "validation" and (data.sources or data.pretokenized):
+    elif split == "validation" and not data.has_validation_text:
         return None  # a configured corpus without validation sources: no evaluation on unrelated text
     else:
         sources = tuple(
