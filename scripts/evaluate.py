@@ -17,8 +17,11 @@ that is not UTF-8 text is refused, naming the byte offset.
     accelerate launch --multi_gpu --num_processes 2 scripts/evaluate.py --model DIR --config CFG --zero-stage 3
 
 With several processes the model is sharded by the ZeRO engine (stage 3 by default: each rank
-reads only its slices) and each rank evaluates a share. Results are printed as a table and merged
-into DIR/eval_results.json. Generation settings come from the config's `evaluation.generation`;
+reads only its slices) and each rank evaluates a share. Every input is read and checked before the
+model loads. Results are printed as a table and merged into DIR/eval_results.json, each recording what
+it was measured on; one that would replace an earlier result measured on other data (another file,
+--split, example count, --limit or --num-fewshot) is refused before the run starts. A config's task
+on its validation data is saved as task:KIND, on --split S as task:KIND:S. Generation settings come from the config's `evaluation.generation`;
 `--section.key value` overrides any config key (e.g. --evaluation.generation.num_beams 4).
 """
 
@@ -28,22 +31,29 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from tnlg.data.finetune import load_rows, validation_rows
+from tnlg.data.finetune import Rows, data_files, load_rows, validation_rows
 from tnlg.eval.harness import HARNESS, harness_results, require_lm_eval, run_lm_eval, task_manager
 from tnlg.eval.suite import (
+    check_passage_tokens,
     earlier_results,
-    evaluate_lambada,
-    evaluate_perplexity,
-    evaluate_task,
     load_for_evaluation,
+    read_passages,
+    read_text,
+    refuse_other_measurements,
     results_path,
     results_table,
     save_results,
+    score_lambada,
+    score_perplexity,
+    score_task,
+    text_tokens,
 )
+from tnlg.eval.tasks import EvaluationRows, evaluation_rows
 from tnlg.inference.ranks import rank_and_world
 from tnlg.run.cli import configure_logging, exit_on_input_error
 from tnlg.run.finetune_config import FinetuneConfig, load_finetune_config
@@ -53,32 +63,41 @@ logger = logging.getLogger("evaluate")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def evaluate_config_task(
-    model, tokenizer, config: FinetuneConfig, split: str | None, max_examples: int | None
-) -> dict:
-    """The config's task on `split` of its source (default: its validation data), with its
-    evaluation settings; `max_examples` overrides evaluation.max_examples."""
-    data, evaluation = config.data, config.evaluation
-    if split:
-        rows = load_rows(data.dataset, data.paths, split, data.dataset_config)
-    else:
-        rows = validation_rows(
-            data.dataset, data.validation_paths, data.validation_split, data.dataset_config
+def task_measurement(config: FinetuneConfig, split: str | None, max_examples: int | None) -> dict:
+    """What the config's task is measured on: its data source (the files, or a dataset's split), the
+    split named in the results, and how many examples; ValueError when it names no such data."""
+    data = config.data
+    if split and data.paths:  # load_rows would read the files whole, whatever the split
+        raise ValueError(
+            f"--split {split}: the config's data are files (data.paths), which have no splits: give the files "
+            "to score as --data.validation_paths '[FILE, ...]' instead"
         )
-    if rows is None:
+    dataset = data.dataset if data.dataset_config is None else f"{data.dataset}/{data.dataset_config}"
+    if split:
+        source: str | list[str] = f"{dataset}:{split}"
+    elif data.validation_paths:
+        source = [str(path.resolve()) for path in data_files(data.validation_paths)]
+    elif data.validation_split:
+        source = f"{dataset}:{data.validation_split}"
+    else:
         raise ValueError(
             "the config names no validation data (data.validation_split / validation_paths): pass --split"
         )
-    return evaluate_task(
-        model,
-        tokenizer,
-        rows,
-        config.task.format(),
-        evaluation.generation,
-        batch_size=evaluation.batch_size,
-        max_examples=max_examples if max_examples is not None else evaluation.max_examples,
-        split=split or "validation",
-    )
+    limit = max_examples if max_examples is not None else config.evaluation.max_examples
+    return {"source": source, "split": split or "validation", "max_examples": limit}
+
+
+def task_result_name(config: FinetuneConfig, split: str | None) -> str:
+    """`task:KIND` for the config's validation data, `task:KIND:SPLIT` for another split."""
+    return f"task:{config.task.kind}" + (f":{split}" if split else "")
+
+
+def config_task_rows(config: FinetuneConfig, split: str | None) -> Rows:
+    """The rows of `split` of the config's source (default: its validation data)."""
+    data = config.data
+    if split:
+        return load_rows(data.dataset, data.paths, split, data.dataset_config)
+    return validation_rows(data.dataset, data.validation_paths, data.validation_split, data.dataset_config)
 
 
 def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -100,7 +119,9 @@ def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[st
         help="UTF-8 text file or data file (see above)",
     )
     parser.add_argument("--lambada", type=Path, help="data file (jsonl, ...) of passages")
-    parser.add_argument("--text-field", default="text", help="the text column of data files")
+    parser.add_argument(
+        "--text-field", help="the text column of --perplexity / --lambada data files (default: text)"
+    )
     parser.add_argument("--max-length", type=int, help="perplexity window (default: the model's positions)")
     parser.add_argument("--stride", type=int, help="perplexity window step (default: --max-length)")
     parser.add_argument(
@@ -132,6 +153,7 @@ def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[st
     # A config task's batch size is its evaluation.batch_size (--evaluation.batch_size N overrides it).
     refuse_flags_without(parser, args, ("batch_size",), "harness", harness)
     refuse_flags_without(parser, args, ("max_length", "stride"), "perplexity")
+    refuse_flags_without(parser, args, ("text_field",), ("perplexity", "lambada"))
     refuse_flags_without(parser, args, ("split", "max_examples"), "config")
     check_numbers(parser, args)
     check_result_names(parser, args)
@@ -144,16 +166,16 @@ def refuse_flags_without(
     parser: argparse.ArgumentParser,
     args: argparse.Namespace,
     names: tuple[str, ...],
-    needed: str,
+    needed: str | tuple[str, ...],
     shown: str | None = None,
 ) -> None:
-    """Exit 2 when flags that only `--needed` reads are given without it (they would be ignored);
-    `shown` is how the error writes the needed flag (default `--needed`)."""
+    """Exit 2 when flags that only `--needed` (one of them, for several) reads are given without it
+    (they would be ignored); `shown` is how the error writes the needed flag (default `--needed`)."""
+    needed = (needed,) if isinstance(needed, str) else needed
     given = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) is not None]
-    if given and not getattr(args, needed):
-        parser.error(
-            f"{', '.join(given)}: only with {shown or '--' + needed} (without it nothing reads them)"
-        )
+    if given and not any(getattr(args, name) for name in needed):
+        shown = shown or " or ".join(f"--{name.replace('_', '-')}" for name in needed)
+        parser.error(f"{', '.join(given)}: only with {shown} (without it nothing reads them)")
 
 
 def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -222,6 +244,102 @@ def check_harness_arguments(parser: argparse.ArgumentParser, args: argparse.Name
         parser.error(str(error))
 
 
+@dataclass
+class Inputs:
+    """Every input of the run, read and checked before the model loads (a bad one costs nothing)."""
+
+    texts: dict[Path, str] = field(default_factory=dict)  # --perplexity files
+    passages: list[str] | None = None  # --lambada
+    rows: Rows | None = None  # the config's task
+
+
+def read_inputs(args: argparse.Namespace, config: FinetuneConfig | None) -> Inputs:
+    text_field = args.text_field or "text"
+    inputs = Inputs(texts={path: read_text(path, text_field) for path in args.perplexity})
+    if args.lambada:
+        inputs.passages = read_passages(args.lambada, text_field)
+    if config is not None:
+        inputs.rows = config_task_rows(config, args.split)
+    return inputs
+
+
+def planned_measurements(args: argparse.Namespace, config: FinetuneConfig | None, tasks: list[str]) -> dict:
+    """{result name: what it is measured on} for the task and lm-eval results (files have `source`)."""
+    planned = {f"{HARNESS}:{task}": {"num_fewshot": args.num_fewshot, "limit": args.limit} for task in tasks}
+    if config is not None:
+        planned[task_result_name(config, args.split)] = task_measurement(
+            config, args.split, args.max_examples
+        )
+    return planned
+
+
+def select_task_rows(
+    config: FinetuneConfig | None, args: argparse.Namespace, rows: Rows | None, tokenizer, planned: dict
+) -> EvaluationRows | None:
+    """The rows the config's task scores (each makes an example and a prompt), None without a config."""
+    if config is None:
+        return None
+    max_examples = planned[task_result_name(config, args.split)]["max_examples"]
+    new_tokens = config.evaluation.generation.max_new_tokens
+    return evaluation_rows(rows, config.task.format(), tokenizer, new_tokens, max_examples)
+
+
+def evaluate_inputs(
+    args: argparse.Namespace,
+    config: FinetuneConfig | None,
+    inputs: Inputs,
+    model,
+    tokenizer,
+    planned: dict,
+) -> dict[str, dict]:
+    """The perplexity, LAMBADA and task results. Every input is tokenized and checked first: a bad
+    one stops the run before any evaluation has run."""
+    positions = getattr(model, "module", model).config.max_position_embeddings
+    max_length = args.max_length if args.max_length is not None else positions
+    ids = {path: text_tokens(tokenizer, text, path) for path, text in inputs.texts.items()}
+    if inputs.passages is not None:
+        check_passage_tokens(tokenizer, inputs.passages, args.lambada, positions)
+    selected = select_task_rows(config, args, inputs.rows, tokenizer, planned)
+    names = {path: result for result, path in result_sources(args).items()}
+    results = {
+        names[path]: score_perplexity(
+            model, tokenizer, text, ids[path], path, max_length=max_length, stride=args.stride
+        )
+        for path, text in inputs.texts.items()
+    }
+    if inputs.passages is not None:
+        results[names[args.lambada]] = score_lambada(
+            model, tokenizer, inputs.passages, args.lambada, positions
+        )
+    if config is not None:
+        name, evaluation = task_result_name(config, args.split), config.evaluation
+        scores = score_task(
+            model,
+            tokenizer,
+            selected,
+            config.task.format(),
+            evaluation.generation,
+            batch_size=evaluation.batch_size,
+            split=args.split or "validation",
+        )
+        results[name] = scores | {"measured_on": planned[name]}
+    return results
+
+
+def harness_evaluation(args, model, tokenizer, manager, tasks: list[str]) -> dict[str, dict]:
+    output = run_lm_eval(
+        model,
+        tokenizer,
+        manager,
+        tasks,
+        num_fewshot=args.num_fewshot,
+        batch_size=args.batch_size if args.batch_size is not None else 1,
+        limit=args.limit,
+    )
+    measured_on = {"num_fewshot": args.num_fewshot, "limit": args.limit}
+    return {name: entry | {"measured_on": measured_on} for name, entry in harness_results(output).items()}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args, overrides = parse_arguments(argv)
     configure_logging()
@@ -230,41 +348,21 @@ def main(argv: list[str] | None = None) -> dict:
     # The task names are checked before the model loads: a misspelt one costs no evaluation.
     manager = task_manager(tasks, args.include_path) if args.harness else None
     target = results_path(args.model)  # a damaged earlier results file stops us before the evaluations
-    names = {path: name for name, path in result_sources(args).items()}
     refuse_replacing_other_files_results(target, result_sources(args))
+    planned = planned_measurements(args, config, tasks)
+    refuse_other_measurements(target, planned)
+    inputs = read_inputs(args, config)
     model, tokenizer = load_for_evaluation(args.model, args.zero_stage, DTYPES[args.dtype], args.zero_config)
-    model_module = getattr(model, "module", model)
-    positions = model_module.config.max_position_embeddings
-    results: dict[str, dict] = {}
-    max_length = args.max_length if args.max_length is not None else positions
-    for path in args.perplexity:
-        results[names[path]] = evaluate_perplexity(
-            model, tokenizer, path, max_length=max_length, stride=args.stride, text_field=args.text_field
-        )
-    if args.lambada:
-        results[names[args.lambada]] = evaluate_lambada(
-            model, tokenizer, args.lambada, args.text_field, max_length=positions
-        )
-    if config is not None:
-        results[f"task:{config.task.kind}"] = evaluate_config_task(
-            model, tokenizer, config, args.split, args.max_examples
-        )
+    results = evaluate_inputs(args, config, inputs, model, tokenizer, planned)
     if manager is not None:
-        output = run_lm_eval(
-            model,
-            tokenizer,
-            manager,
-            tasks,
-            num_fewshot=args.num_fewshot,
-            batch_size=args.batch_size if args.batch_size is not None else 1,
-            limit=args.limit,
-        )
-        results |= harness_results(output)
+        results |= harness_evaluation(args, model, tokenizer, manager, tasks)
     if rank_and_world()[0] == 0:
         print(results_table(results))  # before saving: a failed write still shows what was measured
     if target is None:
         logger.warning("not saved: --model %s is a preset name, not a checkpoint directory", args.model)
         return results
+    # lm-eval names a group's tasks only once it has run them: checked again, before anything is written
+    refuse_other_measurements(target, {n: r["measured_on"] for n, r in results.items() if "measured_on" in r})
     save_results(target, results)
     if rank_and_world()[0] == 0:
         print(f"written to {target}")

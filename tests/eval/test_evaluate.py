@@ -24,43 +24,46 @@ def tokens():
     return torch.randint(0, 512, (50,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
+PREFIX = 511  # the token the text's first token is predicted from (a tokenizer's BOS or EOS)
+
+
 def test_perplexity_of_one_window_is_exp_of_the_models_mean_loss(debug_model, tokens):
-    ids = torch.tensor([tokens])
+    ids = torch.tensor([[PREFIX, *tokens]])
     mean_nll = debug_model(input_ids=ids, labels=ids).loss.item()  # Transformers' own shifted loss
-    result = perplexity(debug_model, tokens, max_length=64)
-    assert result.tokens == len(tokens) - 1
+    result = perplexity(debug_model, tokens, max_length=64, prefix_token_id=PREFIX)
+    assert result.tokens == len(tokens)  # every token, the first predicted from the prefix
     assert result.perplexity == pytest.approx(math.exp(mean_nll), rel=1e-5)
 
 
-@pytest.mark.parametrize("stride", [5, 16])  # overlapping windows, and disjoint ones
-def test_sliding_window_scores_each_token_once_with_its_windows_context(debug_model, tokens, stride):
+@pytest.mark.parametrize("stride", [5, 16])  # overlapping windows, and windows that share one token
+def test_sliding_window_scores_every_token_once_with_its_windows_context(debug_model, tokens, stride):
     max_length = 16
-    result = perplexity(debug_model, tokens, max_length=max_length, stride=stride)
-    # Brute force: token t is scored by the first window [k * stride, k * stride + max_length) that ends
-    # after it, with that window's tokens before it as context (none if it starts the window).
-    nll, count = 0.0, 0
-    for t in range(1, len(tokens)):
-        k = next(k for k in range(len(tokens)) if min(k * stride + max_length, len(tokens)) > t)
-        begin = k * stride
-        if begin == t:
-            continue
-        logits = debug_model(input_ids=torch.tensor([tokens[begin:t]])).logits[0, -1]
-        nll -= F.log_softmax(logits.float(), dim=-1)[tokens[t]].item()
-        count += 1
-    assert result.tokens == count
+    result = perplexity(debug_model, tokens, max_length=max_length, stride=stride, prefix_token_id=PREFIX)
+    # Brute force over the stream [PREFIX, *tokens]: token t is scored by the first window that predicts
+    # it (window k feeds [k * stride, k * stride + max_length) and predicts up to one token past it),
+    # with that window's inputs before it as context; the last window feeds the last max_length tokens.
+    stream = [PREFIX, *tokens]
+    last = max(0, len(stream) - 1 - max_length)
+    nll = 0.0
+    for t in range(1, len(stream)):
+        k = next(k for k in range(len(stream)) if k * stride + max_length >= t)
+        begin = k * stride if k * stride + max_length < len(stream) - 1 else last
+        logits = debug_model(input_ids=torch.tensor([stream[begin:t]])).logits[0, -1]
+        nll -= F.log_softmax(logits.float(), dim=-1)[stream[t]].item()
+    assert result.tokens == len(tokens)
     assert result.nll == pytest.approx(nll, rel=1e-5)
-    if stride == max_length:
-        assert count == len(tokens) - math.ceil(len(tokens) / max_length)  # one unscored token per window
 
 
-def test_bits_per_byte_and_bad_arguments(debug_model, tokens):
-    result = perplexity(debug_model, tokens, max_length=64, text_bytes=200)
+def test_bits_per_byte_cover_the_scored_tokens_and_bad_arguments(debug_model, tokens):
+    result = perplexity(debug_model, tokens, max_length=8, text_bytes=200, prefix_token_id=PREFIX)
+    whole = perplexity(debug_model, tokens, max_length=64, text_bytes=200, prefix_token_id=PREFIX)
+    assert result.tokens == whole.tokens == len(tokens)  # the same tokens however the text is cut
     assert result.bits_per_byte == pytest.approx(result.nll / math.log(2) / 200)
-    assert result.as_dict()["tokens"] == len(tokens) - 1
+    assert result.as_dict()["tokens"] == len(tokens)
     with pytest.raises(ValueError, match="stride must be in"):
-        perplexity(debug_model, tokens, max_length=8, stride=9)
-    with pytest.raises(ValueError, match="at least 2"):
-        perplexity(debug_model, tokens[:1], max_length=8)
+        perplexity(debug_model, tokens, max_length=8, stride=9, prefix_token_id=PREFIX)
+    with pytest.raises(ValueError, match="no token: nothing to score"):
+        perplexity(debug_model, [], max_length=8, prefix_token_id=PREFIX)
 
 
 class CharTokenizer:

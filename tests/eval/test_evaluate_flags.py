@@ -33,6 +33,7 @@ def refusal(argv: list[str], capsys) -> str:
         (["--config", "c.yaml", "--max-examples", "0"], "--max-examples 0"),
         (["--perplexity", "a.txt", "--max-examples", "5"], "--max-examples: only with --config"),
         (["--perplexity", "a.txt", "--split", "test"], "--split: only with --config"),
+        (["--config", "c.yaml", "--text-field", "body"], "--text-field: only with --perplexity or --lambada"),
     ],
 )
 def test_flags_nothing_reads_and_zero_sizes_are_refused(flags, named, capsys):

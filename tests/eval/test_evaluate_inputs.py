@@ -19,7 +19,7 @@ from tnlg.data.tokenizer import byte_level_tokenizer
 from tnlg.eval.lambada import LastWordResult
 from tnlg.eval.perplexity import PerplexityResult
 from tnlg.eval.suite import evaluate_lambada, evaluate_perplexity, read_text
-from tnlg.eval.tasks import target_loss, task_scores
+from tnlg.eval.tasks import evaluation_rows, target_loss, task_scores
 from tnlg.inference.settings import GenerationSettings
 
 
@@ -42,8 +42,8 @@ def test_any_file_that_is_not_a_data_format_is_read_as_text(tmp_path, debug_mode
     path.write_text(text, encoding="utf-8")
     assert read_text(path) == text
     result = evaluate_perplexity(debug_model, tokenizer, path, max_length=128, stride=None)
-    # byte-level, one window: every byte but the first is scored
-    assert result["tokens"] == len(text.encode()) - 1
+    # byte-level: every byte is scored
+    assert result["tokens"] == len(text.encode())
 
 
 def test_binary_and_compressed_text_files_are_refused_by_name(tmp_path):
@@ -61,8 +61,8 @@ def test_binary_and_compressed_text_files_are_refused_by_name(tmp_path):
 
 def test_an_empty_text_is_refused_naming_the_file(tmp_path, debug_model, tokenizer):
     path = tmp_path / "empty.txt"
-    path.write_text("x")
-    with pytest.raises(ValueError, match=rf"{path} holds 1 token\(s\) of text"):
+    path.write_text("")
+    with pytest.raises(ValueError, match=rf"{path} holds no token of text"):
         evaluate_perplexity(debug_model, tokenizer, path, max_length=64, stride=None)
 
 
@@ -110,9 +110,9 @@ def test_task_scores_skip_rows_that_cannot_make_a_prompt_and_count_them(debug_mo
         {"document": None, "summary": "two"},
         {"document": "third document", "summary": "three"},
     ]
-    scores = task_scores(
-        debug_model, tokenizer, rows, task, GenerationSettings(max_new_tokens=2), batch_size=2
-    )
+    settings = GenerationSettings(max_new_tokens=2)
+    selected = evaluation_rows(rows, task, tokenizer, settings.max_new_tokens, max_examples=None)
+    scores = task_scores(debug_model, tokenizer, selected, task, settings, batch_size=2)
     assert scores["examples"] == 2 and scores["skipped_rows"] == 1
     assert "skipping row 1: 'document'" in caplog.text
     assert [s["reference"] for s in scores["samples"]] == ["one", "three"]
@@ -147,7 +147,7 @@ def test_a_preset_model_prints_its_results_and_says_they_are_not_saved(tmp_path,
     text = tmp_path / "notes.md"
     text.write_text("Some notes to score. " * 4)
     results = main(["--model", "debug", "--perplexity", str(text), "--max-length", "128"])
-    assert results["perplexity:notes.md"]["tokens"] == len(text.read_bytes()) - 1
+    assert results["perplexity:notes.md"]["tokens"] == len(text.read_bytes())
     assert "perplexity:notes.md" in capsys.readouterr().out
     assert "not saved: --model debug is a preset name" in caplog.text
 

@@ -12,6 +12,7 @@ from the left)."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -21,7 +22,7 @@ from tnlg import TNLGConfig, TNLGForCausalLM
 from tnlg.data.tokenizer import train_byte_level_bpe
 from tnlg.eval.harness import run_lm_eval, task_manager
 from tnlg.eval.lambada import encode_passage, score_passage, split_last_word
-from tnlg.eval.suite import evaluate_lambada
+from tnlg.eval.suite import evaluate_lambada, evaluate_perplexity
 from tnlg.inference.generation import load_model_and_tokenizer
 
 TASK = "lambada_local"
@@ -118,6 +119,26 @@ def test_lambada_scores_equal_lm_eval_passage_for_passage(files):
     assert whole["perplexity"] == pytest.approx(metrics["perplexity,none"], rel=1e-4)
 
 
+@pytest.mark.parametrize("max_length", [16, 128])  # many windows, with a short last one; one window
+def test_perplexity_scores_every_token_as_lm_eval_rolling_loglikelihood(lm_eval, files, tmp_path, max_length):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    model_dir, _, _ = files
+    model, tokenizer = load_model_and_tokenizer(model_dir)
+    text = "\n\n".join(PASSAGES[:4])
+    path = tmp_path / "text.txt"
+    path.write_text(text)
+    ours = evaluate_perplexity(model, tokenizer, path, max_length=max_length, stride=None)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", max_length=max_length)
+    request = Instance("loglikelihood_rolling", {}, (text,), 0)
+    (loglikelihood,) = lm.loglikelihood_rolling([request], disable_tqdm=True)
+    assert ours["tokens"] == len(tokenizer(text, add_special_tokens=False)["input_ids"])  # every one
+    assert ours["nll_per_token"] * ours["tokens"] == pytest.approx(-loglikelihood, rel=1e-5)
+    # lm-eval's bits_per_byte (wikitext): the same log-likelihood over the text's UTF-8 bytes
+    assert ours["bits_per_byte"] == pytest.approx(-loglikelihood / math.log(2) / len(text.encode()), rel=1e-5)
+
+
 def test_evaluate_script_runs_lm_eval_beside_its_own_lambada(lm_eval, files, capsys):
     from scripts.evaluate import main
 
@@ -130,6 +151,8 @@ def test_evaluate_script_runs_lm_eval_beside_its_own_lambada(lm_eval, files, cap
     assert ours["accuracy"] / 100 == pytest.approx(theirs["acc"], abs=1e-12)
     assert ours["perplexity"] == pytest.approx(theirs["perplexity"], rel=1e-4)
     saved = json.loads((model_dir / "eval_results.json").read_text())
+    measured_on = saved[f"lm-eval:{TASK}"].pop("measured_on")
+    assert measured_on == theirs.pop("measured_on") == {"num_fewshot": None, "limit": None}
     assert saved[f"lm-eval:{TASK}"] == pytest.approx(theirs) and saved["lambada:passages.jsonl"] == ours
     printed = capsys.readouterr().out
     assert f"lm-eval:{TASK}" in printed and "perplexity" in printed

@@ -4,6 +4,7 @@ with LoRA, and a stopped run resumes with the same losses."""
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -118,3 +119,17 @@ def test_a_stopped_run_resumes_with_the_same_losses(cache, base, tmp_path):
     checkpoint = tmp_path / "whole" / "checkpoints" / "step-00000003"
     resumed = finetune(cache, base, tmp_path / "resumed", *arguments, resume=str(checkpoint), steps=6)[0]
     assert resumed["losses"] == pytest.approx(whole["losses"], rel=1e-6)  # steps 1-3 from the checkpoint
+
+
+def test_a_resumed_run_keeps_the_evaluation_before_training(cache, base, tmp_path):
+    output = tmp_path / "run"
+    arguments = [*summarization(tmp_path), "--train.save_every", "1", "--evaluation.max_examples", "2",
+                 "--evaluation.generation.max_new_tokens", "2"]  # fmt: skip
+    stopped = finetune(cache, base, output, *arguments, "--evaluation.after_training", "false", steps=1)[0]
+    before = json.loads((output / "evaluation.json").read_text())["before"]
+    assert before == stopped["evaluation"]["before"]
+    checkpoint = output / "checkpoints" / "step-00000001"
+    resumed = finetune(cache, base, output, *arguments, resume=str(checkpoint), steps=2)[0]
+    saved = json.loads((output / "evaluation.json").read_text())
+    assert set(saved) == {"before", "after"} and saved["before"] == before  # measured by the first run
+    assert resumed["evaluation"] == saved

@@ -41,6 +41,10 @@ def test_overrides_reach_nested_sections():
         (["--task.columns", "{title: headline}"], r"columns maps unknown fields \['title'\]"),
         (["--data.on_long_example", "truncate"], "on_long_example must be 'stop' or 'skip'"),
         (["--data.paths", "[a.jsonl]", "--data.validation_split", "test"], "give the held-out files as"),
+        (
+            ["--task.max_length", "64", "--evaluation.generation.max_new_tokens", "63"],
+            r"evaluation.generation.max_new_tokens 63 leaves 1 token of task.max_length 64",
+        ),
     ],
 )
 def test_mistakes_are_refused_by_name(overrides, message):

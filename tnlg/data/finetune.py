@@ -20,7 +20,8 @@ compressed one that is truncated or corrupt, is refused by name (checked in full
 reads it, which would read a truncated `.zst` as far as it goes). CSV cells are read as text, as
 written: "007" stays "007", never the number 7.
 
-Bad rows (a null, non-text or empty field, a SQuAD row without answers, a target that cannot fit):
+Bad rows (a null, non-text or empty field, a SQuAD row without answers, a target that cannot fit,
+an extractive-QA answer that cannot fit its context's room):
 `on_long_example="stop"` refuses the first, naming it; `"skip"` drops them, counted by reason.
 """
 

@@ -1,6 +1,7 @@
 """The evaluations of scripts/evaluate.py on a saved checkpoint, in one process or distributed.
 
-- `perplexity` of a text with a sliding window, plus bits per byte. A data file (`DATA_SUFFIXES`:
+- `perplexity` of a text with a sliding window, every token scored (as lm-eval's rolling
+  log-likelihood), plus bits per byte. A data file (`DATA_SUFFIXES`:
   json / jsonl / csv / parquet, and compressed json lines) gives the `text_field` of its rows joined
   by blank lines; any other file (.txt, .md, .py, no suffix) is read as UTF-8 text, whole. A file that
   is not UTF-8 (named with the byte offset), holds a NUL byte (binary), or is another compressed
@@ -15,7 +16,9 @@ With several processes (`accelerate launch`, torchrun) the model is sharded by t
 `zero_stage` (inference only: each rank reads only its slices of the checkpoint under stage 3) and
 every evaluation splits its work across the ranks; results are gathered, the same on every rank.
 Results are written next to the checkpoint (`eval_results.json`, one entry per evaluation, merged
-with earlier ones) and printed as a table.
+with earlier ones) and printed as a table. An entry records what it was measured on (a file's
+`source`; a task's or lm-eval task's `measured_on`), and an earlier entry of the same name measured on
+something else is never replaced (`refuse_other_measurements`): the run is refused before it starts.
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ from typing import Any
 import torch
 
 from tnlg.data.files import DamagedFileError, compression_of
-from tnlg.data.finetune import BUILDERS, Rows, encode_rows, load_rows
+from tnlg.data.finetune import BUILDERS, Rows, load_rows
 from tnlg.data.tasks import TaskFormat
-from tnlg.eval.lambada import last_word_scores, split_last_word
+from tnlg.eval.lambada import encode_passage, last_word_scores, split_last_word
 from tnlg.eval.perplexity import perplexity
-from tnlg.eval.tasks import task_metrics
+from tnlg.eval.tasks import EvaluationRows, evaluation_rows, task_metrics
 from tnlg.inference.distributed import init_process_group_from_environment, load_sharded_model
 from tnlg.inference.generation import load_model_and_tokenizer
 from tnlg.inference.ranks import rank_and_world
@@ -116,24 +119,55 @@ def text_column(path: str | Path, text_field: str) -> list[str]:
     return texts
 
 
+def prefix_token(tokenizer) -> int:
+    """The token a text's first token is predicted from: BOS, else EOS, as lm-eval's `prefix_token_id`
+    ([Note: every token scored] in tnlg.eval.perplexity)."""
+    token = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if token is None:
+        raise ValueError(
+            "the tokenizer has neither a BOS nor an EOS token to predict a text's first token from"
+        )
+    return token
+
+
+def text_tokens(tokenizer, text: str, source: str | Path) -> list[int]:
+    """The text's token ids; ValueError naming `source` when there is none to score."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"{source} holds no token of text: nothing to score")
+    return ids
+
+
+def score_perplexity(
+    model, tokenizer, text: str, ids: list[int], source: str | Path, *, max_length: int, stride: int | None
+) -> dict[str, Any]:
+    """The perplexity and bits per byte of `text` (its token `ids`), every token scored."""
+    result = perplexity(
+        model,
+        ids,
+        max_length=max_length,
+        stride=stride,
+        prefix_token_id=prefix_token(tokenizer),
+        text_bytes=len(text.encode("utf-8")),
+    )
+    return {
+        "source": str(source),
+        "max_length": max_length,
+        "stride": stride or max_length,
+        **result.as_dict(),
+    }
+
+
 def evaluate_perplexity(
     model, tokenizer, path: str | Path, *, max_length: int, stride: int | None, text_field: str = "text"
 ) -> dict[str, Any]:
     text = read_text(path, text_field)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) < 2:
-        raise ValueError(f"{path} holds {len(ids)} token(s) of text: perplexity needs at least 2")
-    result = perplexity(
-        model, ids, max_length=max_length, stride=stride, text_bytes=len(text.encode("utf-8"))
-    )
-    return {"source": str(path), "max_length": max_length, "stride": stride or max_length, **result.as_dict()}
+    ids = text_tokens(tokenizer, text, path)
+    return score_perplexity(model, tokenizer, text, ids, path, max_length=max_length, stride=stride)
 
 
-def evaluate_lambada(
-    model, tokenizer, path: str | Path, text_field: str = "text", max_length: int | None = None
-) -> dict[str, Any]:
-    """Last-word accuracy and perplexity of the passages of a data file; passages longer than
-    `max_length` tokens (the model's positions) keep their last ones, as lm-eval's do."""
+def read_passages(path: str | Path, text_field: str = "text") -> list[str]:
+    """The LAMBADA passages of a data file, each checked to have a context and a last word."""
     if not is_data_file(path):
         raise ValueError(
             f"{path}: LAMBADA passages are read from a data file ({', '.join(DATA_SUFFIXES)}) with a "
@@ -145,8 +179,36 @@ def evaluate_lambada(
             split_last_word(passage)
         except ValueError as error:
             raise ValueError(f"{path} row {index}: {error}") from error
+    return passages
+
+
+def check_passage_tokens(tokenizer, passages: list[str], path: str | Path, max_length: int | None) -> None:
+    """Every passage makes a context and a last word of tokens that fit `max_length` positions: checked
+    before any evaluation, so that a bad passage costs none."""
+    for index, passage in enumerate(passages):
+        try:
+            _, target = encode_passage(tokenizer, passage)
+        except ValueError as error:
+            raise ValueError(f"{path} row {index}: {error}") from error
+        if max_length is not None and len(target) > max_length:
+            raise ValueError(
+                f"{path} row {index}: a last word of {len(target)} tokens does not fit {max_length} positions"
+            )
+
+
+def evaluate_lambada(
+    model, tokenizer, path: str | Path, text_field: str = "text", max_length: int | None = None
+) -> dict[str, Any]:
+    """Last-word accuracy and perplexity of the passages of a data file; passages longer than
+    `max_length` tokens (the model's positions) keep their last ones, as lm-eval's do."""
+    return score_lambada(model, tokenizer, read_passages(path, text_field), path, max_length)
+
+
+def score_lambada(
+    model, tokenizer, passages: list[str], source: str | Path, max_length: int | None = None
+) -> dict[str, Any]:
     result = last_word_scores(model, tokenizer, passages, max_length=max_length)
-    return {"source": str(path), **result.as_dict()}
+    return {"source": str(source), **result.as_dict()}
 
 
 # Rows, task format and generation settings, not a FinetuneConfig: eval sits below tnlg.run (which
@@ -163,13 +225,23 @@ def evaluate_task(
     split: str = "validation",
 ) -> dict[str, Any]:
     """The `task` on `rows` (the `split` named in the results): the references' loss and the task
-    metric of generations with `settings`, over the first `max_examples` rows that make an example."""
-    examples = encode_rows(
-        rows, task, tokenizer, on_long_example="skip", max_examples=max_examples, where="evaluation"
-    )
-    scores = task_metrics(
-        model, tokenizer, rows, examples, task, settings, batch_size=batch_size, max_examples=max_examples
-    )
+    metric of generations with `settings`, on the first `max_examples` rows that make an example and a
+    prompt (the same rows for both)."""
+    selected = evaluation_rows(rows, task, tokenizer, settings.max_new_tokens, max_examples)
+    return score_task(model, tokenizer, selected, task, settings, batch_size=batch_size, split=split)
+
+
+def score_task(
+    model,
+    tokenizer,
+    selected: EvaluationRows,
+    task: TaskFormat,
+    settings: GenerationSettings,
+    *,
+    batch_size: int,
+    split: str = "validation",
+) -> dict[str, Any]:
+    scores = task_metrics(model, tokenizer, selected, task, settings, batch_size=batch_size)
     return {"task": task.kind, "split": split, "generation": dataclasses.asdict(settings), **scores}
 
 
@@ -199,6 +271,21 @@ def earlier_results(path: Path) -> dict[str, Any]:
             path, f"it holds a JSON {type(existing).__name__}, not an object; move it away"
         )
     return existing
+
+
+def refuse_other_measurements(path: Path | None, planned: dict[str, dict[str, Any]]) -> None:
+    """ValueError when `path` holds a result of a name in `planned` that was measured on other data
+    (its "measured_on": the data source, split, example count, or lm-eval's limit and shots): saving
+    would replace it with numbers of something else. A result that records none is replaced."""
+    earlier = earlier_results(path) if path is not None else {}
+    for name, measured_on in planned.items():
+        entry = earlier.get(name)
+        before = entry.get("measured_on") if isinstance(entry, dict) else None
+        if before is not None and before != measured_on:
+            raise ValueError(
+                f"{path} already holds {name} measured on {json.dumps(before)}, not on {json.dumps(measured_on)} "
+                "as this run would: saving would replace it; move the earlier results away to replace them"
+            )
 
 
 def save_results(path: Path, results: dict[str, dict[str, Any]]) -> Path:

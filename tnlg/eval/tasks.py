@@ -6,7 +6,11 @@
   exact match and F1 (question answering) against the references. A generation is cut at its first
   line break (the targets are one line; an untrained model rambles on), as the GPT-2 paper cut its
   TL;DR summaries.
-- `task_metrics`: both, as the fine-tuning run's final evaluation and scripts/evaluate.py report them.
+- `task_metrics`: both, as the fine-tuning run's final evaluation and scripts/evaluate.py report them,
+  on the `evaluation_rows`: the first rows that make both an example and a prompt, so that the loss
+  and the scores cover the same rows and `examples` counts them (a row can make one and not the
+  other: a target too long for an example is not in its prompt, and a prompt leaves room for
+  `max_new_tokens` where an example leaves room for its target).
 
 Under ZeRO stage 3 every forward pass is collective, so every rank runs the same number of them: a
 rank whose slice is shorter runs dummy batches with no weight, and generation keeps finished ranks
@@ -20,12 +24,20 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tnlg.data.finetune import MAX_LOGGED_SKIPS, row_name
-from tnlg.data.tasks import IGNORE_INDEX, BadExampleError, TaskFormat, encode_prompt, pad_batch
+from tnlg.data.tasks import (
+    IGNORE_INDEX,
+    BadExampleError,
+    TaskFormat,
+    encode_example,
+    encode_prompt,
+    pad_batch,
+)
 from tnlg.data.tokenizer import pad_id
 from tnlg.eval.text_metrics import rouge_scores, squad_scores
 from tnlg.inference.distributed import generate_on_ranks
@@ -72,24 +84,57 @@ def first_line(text: str) -> str:
     return text.strip().split("\n", 1)[0].strip()
 
 
+@dataclass(frozen=True)
+class EvaluationRows:
+    """The rows a task evaluation scores: each one's example (for the loss) and prompt (for generation),
+    in the same order, and how many rows before them could make neither."""
+
+    examples: list[dict[str, list[int]]]
+    prompts: list[dict[str, Any]]
+    skipped: int
+
+
+def evaluation_rows(
+    rows: Any, task: TaskFormat, tokenizer, max_new_tokens: int, max_examples: int | None
+) -> EvaluationRows:
+    """The first `max_examples` rows that make both an example and a prompt; a row that cannot (see
+    tnlg.data.tasks) is skipped and logged. ValueError when none can, or a column is missing."""
+    examples, prompts, skipped, first_error = [], [], 0, None
+    for index in range(len(rows)):
+        if max_examples is not None and len(prompts) >= max_examples:
+            break
+        try:
+            example = encode_example(rows[index], task, tokenizer)
+            prompt = encode_prompt(rows[index], task, tokenizer, max_new_tokens)
+        except BadExampleError as error:
+            if skipped < MAX_LOGGED_SKIPS:
+                logger.warning("evaluation: skipping %s: %s", row_name(rows, index), error)
+            skipped, first_error = skipped + 1, first_error or f"{row_name(rows, index)}: {error}"
+            continue
+        except KeyError as error:  # a missing column: every row would miss it
+            raise ValueError(f"evaluation: {row_name(rows, index)}: {error.args[0]}") from error
+        examples.append(example)
+        prompts.append(prompt)
+    if not prompts:
+        raise ValueError(
+            f"evaluation: no rows to evaluate ({len(rows)} rows, {skipped} of them unusable; the first: {first_error})"
+        )
+    return EvaluationRows(examples, prompts, skipped)
+
+
 def task_scores(
     model: torch.nn.Module,
     tokenizer,
-    rows: Any,
+    selected: EvaluationRows,
     task: TaskFormat,
     settings: GenerationSettings,
     *,
     batch_size: int = 8,
-    max_examples: int | None = None,
 ) -> dict[str, Any]:
-    """The task's metric on the first `max_examples` rows that make an example, generated across the
-    ranks; every rank returns the same scores. Rows that cannot (a null or empty field: see
-    tnlg.data.tasks) are skipped, logged and counted as "skipped_rows": the training data policy
+    """The task's metric on generations from the `selected` prompts, across the ranks; every rank
+    returns the same scores. Skipped rows are counted as "skipped_rows": the training data policy
     (`data.on_long_example`) has already refused them when it says "stop"."""
-    prompts, skipped = _prompts(rows, task, tokenizer, settings.max_new_tokens, max_examples)
-    count = len(prompts)
-    if count == 0:
-        raise ValueError(f"no rows to evaluate ({len(rows)} rows, {skipped} of them unusable)")
+    prompts, skipped = selected.prompts, selected.skipped
     was_training = model.training
     model.eval()
     completions = generate_on_ranks(model, tokenizer, [p["input_ids"] for p in prompts], settings, batch_size)
@@ -103,41 +148,24 @@ def task_scores(
     samples = [
         {"prediction": p, "reference": r[0]} for p, r in zip(predictions[:SAMPLES], references, strict=False)
     ]
-    return {"examples": count, **scores, **({"skipped_rows": skipped} if skipped else {}), "samples": samples}
+    return {
+        "examples": len(prompts),
+        **scores,
+        **({"skipped_rows": skipped} if skipped else {}),
+        "samples": samples,
+    }
 
 
 def task_metrics(
     model: torch.nn.Module,
     tokenizer,
-    rows: Any,
-    examples: Sequence[Mapping[str, list[int]]],
+    selected: EvaluationRows,
     task: TaskFormat,
     settings: GenerationSettings,
     *,
     batch_size: int,
-    max_examples: int | None,
 ) -> dict[str, Any]:
     """What a fine-tuned model is judged by, after training and in scripts/evaluate.py alike: the
-    references' loss on `examples` (`rows` encoded) and the task metric of generations from `rows`."""
-    loss = target_loss(model, examples, batch_size, pad_id(tokenizer))
-    return loss | task_scores(
-        model, tokenizer, rows, task, settings, batch_size=batch_size, max_examples=max_examples
-    )
-
-
-def _prompts(
-    rows: Any, task: TaskFormat, tokenizer, max_new_tokens: int, max_examples: int | None
-) -> tuple[list[dict[str, Any]], int]:
-    """The prompts of the first `max_examples` usable rows, and how many rows were skipped."""
-    prompts: list[dict[str, Any]] = []
-    skipped = 0
-    for index in range(len(rows)):
-        if max_examples is not None and len(prompts) >= max_examples:
-            break
-        try:
-            prompts.append(encode_prompt(rows[index], task, tokenizer, max_new_tokens))
-        except BadExampleError as error:
-            if skipped < MAX_LOGGED_SKIPS:
-                logger.warning("evaluation: skipping %s: %s", row_name(rows, index), error)
-            skipped += 1
-    return prompts, skipped
+    references' loss and the task metric of generations, on the same `selected` rows."""
+    loss = target_loss(model, selected.examples, batch_size, pad_id(tokenizer))
+    return loss | task_scores(model, tokenizer, selected, task, settings, batch_size=batch_size)

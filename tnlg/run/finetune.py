@@ -15,7 +15,7 @@ from typing import Any
 
 from tnlg.data.finetune import FinetuneBatches, encode_rows, load_rows, validation_rows
 from tnlg.data.tokenizer import pad_id
-from tnlg.eval.tasks import target_loss, task_metrics
+from tnlg.eval.tasks import EvaluationRows, evaluation_rows, target_loss, task_metrics
 from tnlg.run.build import check_init_from
 from tnlg.run.finetune_config import FinetuneConfig
 from tnlg.run.loop import TrainingJob, train
@@ -64,6 +64,7 @@ class TaskExamples:
             data.dataset, data.validation_paths, data.validation_split, data.dataset_config
         )
         self._encoded: dict[str, Any] = {}
+        self._generation_rows: EvaluationRows | None = None
 
     def _examples(self, tokenizer, where: str, rows, limit: int | None):
         if where not in self._encoded:
@@ -83,6 +84,9 @@ class TaskExamples:
         logger.info("training rows: %d", len(rows))
         if self.held_out is not None:  # a bad validation row stops the run now, not at its first evaluation
             self.validation_examples(tokenizer, world, 0)
+            evaluation = self.config.evaluation
+            if evaluation.before_training or evaluation.after_training:
+                self.generation_rows(tokenizer)  # and rows that make no prompt: now, not after training
         return FinetuneBatches(
             self._examples(tokenizer, "train", rows, data.max_examples),
             micro_batch_size=train_section.micro_batch_size,
@@ -95,12 +99,26 @@ class TaskExamples:
         )
 
     def validation_examples(self, tokenizer, world: int, limit: int):
-        """The first `limit` encoded validation examples; encoded once, for both evaluations."""
+        """The first `limit` encoded validation examples (the periodic evaluation's), encoded once: as many
+        rows as either evaluation reads, so that `data.on_long_example` judges the final evaluation's too."""
         periodic = self.config.train.eval_batches * self.config.train.micro_batch_size * world
         encoded = self._examples(
             tokenizer, "validation", self.held_out, max(periodic, self.config.evaluation.max_examples)
         )
         return encoded[:limit]
+
+    def generation_rows(self, tokenizer) -> EvaluationRows:
+        """The rows of the generation-based evaluation (before and after training): chosen once."""
+        if self._generation_rows is None:
+            evaluation = self.config.evaluation
+            self._generation_rows = evaluation_rows(
+                self.held_out,
+                self.task,
+                tokenizer,
+                evaluation.generation.max_new_tokens,
+                evaluation.max_examples,
+            )
+        return self._generation_rows
 
     def evaluate(self, model, tokenizer, accelerator) -> dict[str, float]:
         # `train.eval_batches` batches per data-parallel rank, as in pretraining: the ranks of one
@@ -112,18 +130,13 @@ class TaskExamples:
         return target_loss(model, examples, train_section.micro_batch_size, pad_id(tokenizer))
 
     def final_evaluation(self, model, tokenizer, accelerator) -> dict[str, Any]:
-        # the references' loss (teacher forcing) and the generated predictions' scores
+        # the references' loss (teacher forcing) and the generated predictions' scores, on the same rows
         evaluation = self.config.evaluation
-        examples = self.validation_examples(
-            tokenizer, accelerator.data_parallel_size, evaluation.max_examples
-        )
         return task_metrics(
             model,
             tokenizer,
-            self.held_out,
-            examples,
+            self.generation_rows(tokenizer),
             self.task,
             evaluation.generation,
             batch_size=evaluation.batch_size,
-            max_examples=evaluation.max_examples,
         )

@@ -39,7 +39,8 @@ class TaskSection:
         return TaskFormat(**dataclasses.asdict(self))
 
     def __post_init__(self) -> None:
-        self.format()  # validates the kind, the columns and the truncation side now, not mid-run
+        # validates the kind, the columns, the truncation side and a prompt without the target now, not mid-run
+        self.format()
 
 
 @dataclass(kw_only=True)
@@ -53,8 +54,9 @@ class FinetuneDataSection:
     `packing` puts several examples in each `task.max_length` row, each attending only to itself
     (positions restart per example); otherwise batches are padded to their longest example.
     `on_long_example`: "stop" refuses the first row that cannot make an example (its target does not
-    fit; a field that is null, not text or empty; a SQuAD row without answers), naming its file and
-    row; "skip" drops such rows, counted by reason in the log.
+    fit; a field that is null, not text or empty; a SQuAD row without answers; an extractive-QA answer
+    that cannot fit the room left for its context), naming its file and row; "skip" drops such rows,
+    counted by reason in the log.
     """
 
     dataset: str | None = None
@@ -168,6 +170,7 @@ class FinetuneConfig(TrainingConfig):
     logging: LoggingSection = field(default_factory=lambda: LoggingSection(project="finetune"))
 
     def __post_init__(self) -> None:
+        self._check_generation_room()
         if self.lora.enabled and self.parallel.tensor > 1:
             # peft wraps the whole model's Linear layers; tensor slicing cuts them afterwards, and the
             # adapters of the sliced layers are left out of the graph on some ranks (backward fails)
@@ -191,6 +194,19 @@ class FinetuneConfig(TrainingConfig):
                 f"parallel.pipeline {self.parallel.pipeline}: fine-tuning runs with data parallelism and tensor "
                 "slicing only (padded examples and generation need the whole model); pipeline stages are for "
                 "pretraining. Use parallel.tensor to cut a model too large for one rank"
+            )
+
+    def _check_generation_room(self) -> None:
+        """A generation prompt is cut to leave `max_new_tokens` of `task.max_length`: with less than a
+        2-token prompt left, the evaluation after training would fail (here, before training)."""
+        new_tokens, max_length = self.evaluation.generation.max_new_tokens, self.task.max_length
+        room = max(max_length - new_tokens, 0)
+        if room < 2:
+            raise ValueError(
+                f"evaluation.generation.max_new_tokens {new_tokens} leaves {room} token{'' if room == 1 else 's'} "
+                f"of task.max_length {max_length} for the prompt, which needs at least 2 (and room for the "
+                "prompt template and some of the document or context): lower evaluation.generation.max_new_tokens "
+                "or raise task.max_length"
             )
 
 

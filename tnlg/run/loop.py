@@ -42,6 +42,7 @@ from tnlg.run.metrics import LossCurve, flat_hyperparameters, peak_flops_per_dev
 from tnlg.run.optim import build_optimizer, build_schedule
 from tnlg.run.output import check_output_directory, remove_run_files
 from tnlg.sharding import DeepSpeedConfig, ZeroEngine
+from tnlg.sharding.json_files import read_json, write_json_atomic
 from tnlg.tools.convert.to_gpt2 import export_gpt2
 
 logger = logging.getLogger(__name__)
@@ -361,9 +362,10 @@ def train(config: TrainingConfig, job: TrainingJob, resume: str | None = None) -
     """Build the run, train to `train.max_steps` (logging, evaluating and checkpointing at their
     cadences), then save the model; returns the losses, the model's directory and the evaluation."""
     run = build_run(config, job, resume)
-    evaluation: dict[str, Any] = {}
+    evaluation = _evaluation_before(run)
     if job.evaluate_before and run.start_step == 0 and _runs_final_evaluation(run, "before"):
         evaluation["before"] = job.final_evaluation(run.engine, run.tokenizer, run.accelerator)
+        _write_evaluation(run, evaluation)  # now: a run stopped before its end keeps it for its resume
     progress = tqdm(
         total=config.train.max_steps,
         initial=run.start_step,
@@ -397,6 +399,27 @@ def train(config: TrainingConfig, job: TrainingJob, resume: str | None = None) -
     if job.evaluate_after and _runs_final_evaluation(run, "after"):
         evaluation["after"] = job.final_evaluation(run.engine, run.tokenizer, run.accelerator)
     return _finish(run, final, evaluation)
+
+
+def _evaluation_before(run: Run) -> dict[str, Any]:
+    """The evaluation before training that the first run measured, when this run resumes one: its
+    `evaluation.json` is rewritten at the end, and a resume does not measure it again (the starting
+    model is gone). Only "before": an earlier "after" is of another final model."""
+    path = run.output / "evaluation.json"
+    if run.start_step == 0 or not path.is_file():
+        return {}
+    earlier = read_json(path, ValueError, "the run's evaluations, whose 'before' a resume keeps")
+    if not isinstance(earlier, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(earlier).__name__}, not the run's evaluations: move it away"
+        )
+    return {"before": earlier["before"]} if "before" in earlier else {}
+
+
+def _write_evaluation(run: Run, evaluation: dict[str, Any]) -> None:
+    if run.accelerator.is_main_process:
+        run.output.mkdir(parents=True, exist_ok=True)  # before training, nothing may have made it yet
+        write_json_atomic(run.output / "evaluation.json", evaluation, indent=2)
 
 
 def _runs_final_evaluation(run: Run, when: str) -> bool:
@@ -461,7 +484,7 @@ def _finish(run: Run, final: Path, evaluation: dict[str, Any]) -> dict[str, Any]
         run.curve.save(run.output)
         (run.output / "run_config.json").write_text(json.dumps(run.config.to_dict(), indent=2))
         if evaluation:
-            (run.output / "evaluation.json").write_text(json.dumps(evaluation, indent=2))
+            _write_evaluation(run, evaluation)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # closes the trackers (and the process group: nothing collective after it)
     return {"losses": run.curve.losses, "model": str(final), "evaluation": evaluation}
