@@ -14,7 +14,8 @@ from typing import Any
 
 from tnlg.data.tasks import TaskFormat
 from tnlg.inference.settings import GenerationSettings, setting_problems
-from tnlg.run.config import LoggingSection, TrainingConfig, TrainSection, load_config, require
+from tnlg.run.config import LoggingSection, TrainingConfig, TrainSection
+from tnlg.run.config_reader import load_config, require
 
 # The projections LoRA adapts by default: every Linear of the attention and MLP blocks (the output
 # layer is tied to the embedding and left alone).
