@@ -20,6 +20,11 @@ bytes are counted the same way. The Adam steps and the streaming kernels are tim
 rounds (`benchmarks.common.interleaved_medians`), medians reported. When both sides are
 memory-bound, the ratio of their byte counts is the speed-up to expect; the table prints it next
 to the measured one.
+
+Both sides run on `--threads` threads: torch's pool through `torch.set_num_threads`, tnlg's kernel
+through TNLG_CPU_ADAM_THREADS (CPUAdam does not use torch's pool, see [Note: CPUAdam threads] in
+sharding/kernels/cpu_adam.py). A case whose two sides would run on different counts is refused
+before anything is timed.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 
 from benchmarks.common import interleaved_medians
 from tnlg.sharding.kernels import CPUAdam
+from tnlg.sharding.kernels.cpu_adam import THREADS_VARIABLE
 
 FP32, BF16 = 4, 2  # bytes per element
 LR, WEIGHT_DECAY = 1e-4, 0.1
@@ -75,6 +81,7 @@ class Side:
     step: Callable[[], None]
     param: torch.Tensor  # the fp32 parameter it updates, to check both sides computed the same
     out: torch.Tensor  # its bf16 copy
+    threads: int  # the threads its step runs on
 
 
 def tnlg_side(start: torch.Tensor, grad: torch.Tensor) -> Side:
@@ -86,7 +93,7 @@ def tnlg_side(start: torch.Tensor, grad: torch.Tensor) -> Side:
         optimizer.step(out16=[out], grads=[grad])  # the gradient read as it is, any dtype
 
     name = "tnlg CPUAdam (+ bf16 copy in the same pass)"
-    return Side(name, tnlg_traffic(grad.element_size()), step, param, out)
+    return Side(name, tnlg_traffic(grad.element_size()), step, param, out, optimizer.threads)
 
 
 def torch_side(start: torch.Tensor, grad: torch.Tensor) -> Side:
@@ -107,7 +114,7 @@ def torch_side(start: torch.Tensor, grad: torch.Tensor) -> Side:
     name = (
         "torch AdamW fused=True + copy_ to bf16" if not upcast else "torch upcast + AdamW fused=True + copy_"
     )
-    return Side(name, torch_traffic(grad.element_size()), step, param, out)
+    return Side(name, torch_traffic(grad.element_size()), step, param, out, torch.get_num_threads())
 
 
 def streaming_kernels(numel: int) -> dict[str, tuple[Traffic, Callable[[], object]]]:
@@ -142,6 +149,24 @@ class Case:
         return max(stream.gbps(numel) for stream in self.streams)
 
 
+def use_threads(threads: int) -> None:
+    """Both sides on `threads` threads. CPUAdam sizes its kernel's threads from TNLG_CPU_ADAM_THREADS,
+    or else from its share of the cores, never from torch's pool (see [Note: CPUAdam threads]): set
+    only torch's and `--threads 1` would time torch on one thread against tnlg on all of them."""
+    torch.set_num_threads(threads)
+    os.environ[THREADS_VARIABLE] = str(threads)
+
+
+def check_same_threads(ours: Side, theirs: Side) -> None:
+    """Refuse to time two sides that run on different thread counts: their ratio would measure the
+    threads, not the kernels."""
+    if ours.threads != theirs.threads:
+        raise SystemExit(
+            f"{ours.name} runs on {ours.threads} threads, {theirs.name} on {theirs.threads}: "
+            f"not timed (set both with --threads, or {THREADS_VARIABLE} to torch's thread count)"
+        )
+
+
 def check_same_work(ours: Side, theirs: Side) -> None:
     """After the same steps on the same inputs the parameters agree, and each side's bf16 buffer is
     its parameter rounded: otherwise one side did other work than the one timed. (The two bf16
@@ -159,6 +184,7 @@ def measure_case(grad_dtype: torch.dtype, numel: int, repeats: int) -> Case:
     start = torch.randn(numel, generator=generator)
     grad = torch.randn(numel, generator=generator).to(grad_dtype)
     ours, theirs = tnlg_side(start, grad), torch_side(start, grad)
+    check_same_threads(ours, theirs)
     streams = streaming_kernels(numel)
     steps = {ours.name: ours.step, theirs.name: theirs.step} | {
         name: step for name, (_, step) in streams.items()
@@ -219,12 +245,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.numel < 1 or args.threads < 1 or args.repeats < 1:
         parser.error("--numel, --threads and --repeats must be positive")
-    torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     if not CPUAdam([torch.zeros(1)]).uses_extension:
         raise SystemExit("the CPUAdam C++ kernel could not be built here: nothing to compare")
     load = os.getloadavg()
     print(
-        f"{args.numel:,} parameters, {args.threads} threads, median of {args.repeats} interleaved rounds "
+        f"{args.numel:,} parameters, {args.threads} threads on both sides (torch.set_num_threads, "
+        f"{THREADS_VARIABLE}; checked equal before timing), median of {args.repeats} interleaved rounds "
         f"after 2 warm-up rounds; load average before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n"
     )
     # One case after the other: each holds ~1.7 GB at 50M parameters, freed before the next.

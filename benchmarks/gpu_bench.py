@@ -1,13 +1,14 @@
 """GPU kernels and a bf16 training step: each fused kernel checked against its reference, then timed
 against torch's own, side by side in one run; then tokens/s and MFU of a `tnlg-1.3b` step with and
-without the fused kernels.
+without the fused model kernels (the same weights, batch and Adam in both, the fused step's first loss
+gated against the torch step's).
 
     python -m benchmarks.gpu_bench                 # on a CUDA machine; prints markdown tables
     python -m benchmarks.gpu_bench --smoke         # tiny sizes on any device (CPU: TRITON_INTERPRET=1)
 
 Times are medians of `--repeats` runs after warm-up, measured with CUDA events (wall clock on CPU).
-A kernel whose output differs from its reference beyond the tolerance stops the run: a fast wrong
-kernel is not a result.
+A kernel whose output differs from its reference beyond the tolerance stops the run, and so does a fused
+training step whose first loss differs from the torch step's: a fast wrong kernel is not a result.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tnlg import TNLGConfig, TNLGForCausalLM
 from tnlg.modeling import fused_ops
 from tnlg.run.activations import enable_activation_checkpointing
 from tnlg.run.metrics import peak_flops_per_device
-from tnlg.sharding import ZeroConfig, initialize
+from tnlg.sharding import ZeroConfig, ZeroEngine, initialize
 from tnlg.sharding.kernels.cuda_adam import cuda_extension
 from tnlg.sharding.kernels.fused_adam import AdamHyper, adam_reference, adam_triton, fused_adam
 
@@ -229,54 +230,143 @@ def cross_entropy_case(
 
 
 # ---------------------------------------------------------------------------- training step
-def bench_training(
-    preset: str, micro_batch: int, seq_len: int, device: torch.device, steps: int
-) -> list[str]:
-    """The step with torch's kernels, then with the fused ones; each label names the Adam that ran."""
-    lines = [
-        f"### Training step: {preset}, bf16, micro-batch {micro_batch} x {seq_len} tokens, one GPU, ZeRO stage 0",
-        "",
-    ]
-    lines += ["| kernels | step ms | tokens/s | MFU |", "|---|---|---|---|"]
-    peak = peak_flops_per_device(device, "bf16")
-    results = {}
-    for label, fused in (
-        ("torch (F.layer_norm, GeLU, full logits)", "none"),
-        ("tnlg fused (Triton LN, bias+GeLU, chunked CE)", "auto"),
-    ):
-        config = TNLGConfig.from_preset(
-            preset, fused_kernels=fused, max_position_embeddings=max(seq_len, 128)
-        )
-        torch.manual_seed(0)
-        with torch.device("meta"):
-            model = TNLGForCausalLM(config)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-        zero = ZeroConfig(stage=0, mixed_precision="bf16", fused_adam="auto" if fused == "auto" else "none")
-        engine = initialize(model, optimizer, zero, device=device)
-        # The engine resolves "auto" when it is built: the CUDA extension, else Triton; on the CPU torch's.
-        adam = engine.optimizer.fused_backend
-        shown = f"{label}; {f'fused Adam {adam}' if adam else 'torch AdamW'}"
-        enable_activation_checkpointing(model)  # as a 1.3B run would use
-        ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
+# The fused row's first-step loss against the torch row's, relative. Both compute the same model in
+# bf16 from the same weights on the same batch and differ in the kernels alone (LayerNorm, bias + GeLU,
+# the chunked LM head + cross-entropy in fp32 against full fp32 logits): 2e-2 is the project's bf16
+# loss tolerance (side_by_side's LOSS_TOLERANCE, gpu_first_contact, the CPU equivalence tests).
+LOSS_TOLERANCE = 2e-2
+TRAINING_ROWS = (
+    ("torch (F.layer_norm, GeLU, full logits)", "none"),
+    ("tnlg fused (Triton LN, bias+GeLU, chunked CE)", "auto"),
+)
 
-        def step(engine=engine, ids=ids):
-            loss = engine(input_ids=ids, labels=ids).loss
+
+def own_prediction_labels(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Labels for `ids` that make a loss tell one model from another: the model's own predictions.
+
+    At initialization every model's loss on random labels is about ln(vocab), whatever it computes;
+    on the labels one model predicts, only a model computing the same logits at these positions
+    scores the same loss. Each label is the argmax of the position's logits less their mean over the
+    batch (a part common to every position, the final LayerNorm's bias through the tied head, would
+    make one token win everywhere), the input token itself excluded (through the tied embedding it
+    often wins); position t predicts token t + 1, so the first label is ignored (-100).
+    """
+    logits = logits.float()  # (B, T, V)
+    scores = logits[:, :-1] - logits[:, :-1].mean(dim=(0, 1))
+    scores.scatter_(-1, ids[:, :-1, None], float("-inf"))
+    labels = torch.full_like(ids, -100)
+    labels[:, 1:] = scores.argmax(-1)
+    return labels
+
+
+def training_engine(config: TNLGConfig, device: torch.device) -> ZeroEngine:
+    """The step's engine: ZeRO stage 0, bf16, AdamW through the engine's fused Adam ("auto": the CUDA
+    extension, else Triton; on the CPU torch's AdamW step) in every row, so that rows differ in the
+    model's kernels alone. Weights come from the engine's seeded initialization (see [Note: seeded
+    initialization] in sharding/init.py): the same in every row of one architecture."""
+    with torch.device("meta"):
+        model = TNLGForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    engine = initialize(
+        model, optimizer, ZeroConfig(stage=0, mixed_precision="bf16", fused_adam="auto"), device=device
+    )
+    enable_activation_checkpointing(model)  # as a 1.3B run would use
+    return engine
+
+
+def bench_training(
+    preset: str,
+    micro_batch: int,
+    seq_len: int,
+    device: torch.device,
+    steps: int,
+    initializer_range: float | None = None,
+) -> list[str]:
+    """The step with torch's kernels, then with the fused ones: the same weights, batch and Adam.
+
+    The batch's labels are the torch row's own predictions before its first step (see
+    `own_prediction_labels`); the fused row's first-step loss must match the torch row's within
+    `LOSS_TOLERANCE` before it is timed, else the run stops: a fast wrong step is not a result.
+    `initializer_range` replaces the preset's (None: keep it).
+    """
+    init = {} if initializer_range is None else {"initializer_range": initializer_range}
+    configs = {
+        label: TNLGConfig.from_preset(
+            preset, fused_kernels=fused, max_position_embeddings=max(seq_len, 128), **init
+        )
+        for label, fused in TRAINING_ROWS
+    }
+    vocab = next(iter(configs.values())).vocab_size
+    ids = torch.randint(0, vocab, (micro_batch, seq_len), generator=torch.Generator().manual_seed(1))
+    ids, labels = ids.to(device), None
+    results: dict[str, tuple[float, float]] = {}  # label -> (seconds, first-step loss)
+    adams: set[str | None] = set()
+    for label, config in configs.items():
+        engine = training_engine(config, device)
+        adams.add(engine.optimizer.fused_backend)  # the engine resolves "auto" when it is built
+        if labels is None:  # the first row, torch's kernels, is the reference
+            with torch.no_grad():
+                labels = own_prediction_labels(engine(input_ids=ids).logits, ids)
+
+        def step(engine=engine, labels=labels):
+            loss = engine(input_ids=ids, labels=labels).loss
             engine.backward(loss)
             engine.step()
             return loss
 
-        seconds = timed(step, device, steps, warmup=2)
-        tokens = micro_batch * seq_len / seconds
-        mfu = f"{100 * tokens * config.flops_per_token(seq_len) / peak:.1f}%" if peak else ""
-        results[label] = seconds
-        lines.append(f"| {shown} | {seconds * 1e3:.1f} | {tokens:,.0f} | {mfu} |")
+        first_loss = step().item()  # the gate's step, on the initial weights; also a warm-up step
+        if results:
+            check_loss(label, first_loss, reference=next(iter(results.values()))[1])
+        results[label] = (timed(step, device, steps, warmup=1), first_loss)
         # The next configuration is measured alone on the device: `step` holds this engine too.
         engine.close()
-        del engine, model, optimizer, step
+        del engine, step
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    first, second = results.values()
-    lines += ["", f"fused / torch step time: {second / first:.2f}"]
+    if len(adams) != 1:  # one setting resolves alike in both rows; were it not, the ratio would mix Adams
+        sys.exit(f"training step: the rows ran different Adam kernels {sorted(map(str, adams))}; no timing")
+    flops = next(iter(configs.values())).flops_per_token(seq_len)
+    return training_lines(preset, (micro_batch, seq_len), device, flops, results, adams.pop())
+
+
+def check_loss(label: str, loss: float, reference: float) -> None:
+    difference = abs(loss - reference) / abs(reference)
+    if not difference <= LOSS_TOLERANCE:
+        sys.exit(
+            f"training step, {label}: first-step loss {loss:.4f} against the torch row's {reference:.4f}, "
+            f"relative difference {difference:.1e} exceeds {LOSS_TOLERANCE:.0e}; no timing for a wrong step"
+        )
+
+
+def training_lines(
+    preset: str, shape: tuple[int, int], device: torch.device, flops_per_token: int,
+    results: dict[str, tuple[float, float]], adam: str | None,
+) -> list[str]:  # fmt: skip
+    micro_batch, seq_len = shape
+    peak = peak_flops_per_device(device, "bf16")
+    adam_name = f"the engine's fused Adam, {adam}" if adam else "torch's AdamW"
+    lines = [
+        f"### Training step: {preset}, bf16, micro-batch {micro_batch} x {seq_len} tokens, one GPU, ZeRO stage 0",
+        "",
+        f"Both rows: the same initial weights, batch and optimizer ({adam_name}); only the model's kernels "
+        "differ. The batch's labels are the torch row's own predictions, so that the first-step losses "
+        "compare the two computations.",
+        "",
+        "| kernels | first-step loss | step ms | tokens/s | MFU |",
+        "|---|---|---|---|---|",
+    ]
+    for label, (seconds, loss) in results.items():
+        tokens = micro_batch * seq_len / seconds
+        mfu = f"{100 * tokens * flops_per_token / peak:.1f}%" if peak else ""
+        lines.append(f"| {label} | {loss:.4f} | {seconds * 1e3:.1f} | {tokens:,.0f} | {mfu} |")
+    (torch_seconds, torch_loss), (fused_seconds, fused_loss) = results.values()
+    difference = abs(fused_loss - torch_loss) / abs(torch_loss)
+    lines += [
+        "",
+        f"gate passed: the fused row's first-step loss is within {difference:.1e} of the torch row's "
+        f"(tolerance {LOSS_TOLERANCE:.0e} relative)",
+        f"fused / torch step time: {fused_seconds / torch_seconds:.2f} (the model's kernels alone)",
+    ]
     return lines
 
 
@@ -298,7 +388,10 @@ def main() -> None:
         sections = [
             bench_adam(10_000, device, repeats=2),
             bench_model_kernels(64, 64, 1000, device, repeats=2),
-            bench_training("debug", 2, 32, device, steps=2),
+            # Logits as spread as tnlg-1.3b's at its init (0.02 x sqrt(2048) = 0.9): 1 / sqrt(64), as in
+            # side_by_side's smoke. At 0.02 the debug model's logits are nearly flat and its first-step
+            # losses would tell no computation from another.
+            bench_training("debug", 2, 32, device, steps=2, initializer_range=0.125),
         ]
     else:
         sections = [

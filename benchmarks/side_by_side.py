@@ -9,12 +9,19 @@
 Variants of one bf16 training step (micro-batch x sequence, activation checkpointing as a setting), at world
 size 1, each loaded from one seeded state dict and fed one seeded list of batches:
 
-    tnlg stage 0 / tnlg stage 3   tnlg.sharding.initialize(model, AdamW, ZeroConfig(stage, bf16))
-    torch FSDP2                   fully_shard on every TNLGBlock, then the root; bf16 params, fp32 reduce
+    tnlg stage 0 / tnlg stage 3   tnlg.sharding.initialize(model, AdamW, ZeroConfig(stage, bf16)): bf16
+                                  gradients, reduce-scattered and kept in bf16 (fp32 master and Adam)
+    torch FSDP2                   fully_shard on every TNLGBlock, then the root; bf16 params, and
+                                  reduce_dtype=fp32 (FSDP2's usual recipe): gradients cast to fp32,
+                                  reduce-scattered and kept in fp32
     Transformers GPT-2            GPT2LMHeadModel of the same shape, converted weights, autocast bf16
     tnlg stage 0/3 compiled       with --compile on: as tnlg stage 0/3, each block's forward compiled by
                                   inductor (CompileConfig); the warmup steps absorb the compilation, whose
                                   seconds are reported apart from the step times
+
+The printed "tnlg stage 3 / torch FSDP2 step time" therefore mixes gradient precisions: FSDP2's step
+includes the casts to fp32 and moves fp32 gradients where tnlg stage 3 moves bf16 ones, so the ratio
+is not the two engines' scheduling alone (FSDP2 with reduce_dtype=bf16 would be like for like).
 
 Before any time is reported, every variant's first-step loss must match the fp32 reference's (see
 `LOSS_TOLERANCE`); a variant that does not is a MISMATCH row, no time is reported and the run exits 1.
@@ -46,7 +53,14 @@ import transformers
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import GPT2LMHeadModel
 
-from benchmarks.gpu_bench import bias_gelu_case, cross_entropy_case, layer_norm_case, relative_error, timed
+from benchmarks.gpu_bench import (
+    bias_gelu_case,
+    cross_entropy_case,
+    layer_norm_case,
+    own_prediction_labels,
+    relative_error,
+    timed,
+)
 from tnlg import TNLGConfig, TNLGForCausalLM
 from tnlg.modeling.configuration_tnlg import FUSED_CHOICES
 from tnlg.run.activations import enable_activation_checkpointing
@@ -200,11 +214,9 @@ def gate_labels(
     """The gate batch's labels, its fp32 reference loss, and the converted GPT-2's fp32 logit error.
 
     At initialization every model's loss on random labels is about ln(vocab), whatever it computes.
-    The labels are therefore the fp32 reference's own predictions, so that only a variant computing
-    this model on these positions of this batch scores the reference's loss; any other scores that of
-    random labels. Each is the argmax of the position's logits less their mean over the batch (a part
-    common to every position, the final LayerNorm's bias through the tied head, would make one token
-    win everywhere), the input token itself excluded (through the tied embedding it often wins).
+    The labels are therefore the fp32 reference's own predictions (`own_prediction_labels`, shared
+    with gpu_bench's training-step gate), so that only a variant computing this model on these
+    positions of this batch scores the reference's loss; any other scores that of random labels.
     """
     config = settings.config(fused_kernels="none")  # torch's kernels, no autocast: the reference
     model = tnlg_model(config, state, settings.device, checkpointing=False).eval()
@@ -213,10 +225,7 @@ def gate_labels(
     gpt2 = gpt2_model(config, state, settings.device, checkpointing=False).eval()
     conversion_error = relative_error(gpt2(input_ids=ids).logits, logits)
     del gpt2
-    scores = logits[:, :-1] - logits[:, :-1].mean(dim=(0, 1))  # position t predicts token t + 1
-    scores.scatter_(-1, ids[:, :-1, None], float("-inf"))
-    labels = torch.full_like(ids, -100)
-    labels[:, 1:] = scores.argmax(-1)
+    labels = own_prediction_labels(logits, ids)  # position t predicts token t + 1
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
     return labels, loss.item(), conversion_error
 

@@ -6,12 +6,14 @@ No timing is asserted (speed belongs in the benchmark's own output)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from benchmarks import cpu_adam
 from benchmarks.common import interleaved_medians
+from tnlg.sharding.kernels.cpu_adam import THREADS_VARIABLE, adam_threads
 
 
 def test_bytes_per_element_count_every_tensor_each_side_reads_and_writes():
@@ -72,3 +74,58 @@ def test_the_script_prints_both_cases(monkeypatch, capsys):
     assert "| bf16 | tnlg CPUAdam (+ bf16 copy in the same pass) | 14 + 14 = 28 |" in out
     assert "| bf16 | torch upcast + AdamW fused=True + copy_ | 22 + 18 = 40 |" in out
     assert "fp32 gradients: tnlg" in out and "bf16 gradients: tnlg" in out
+
+
+def _untimed_rounds(calls: list[dict[str, int]], threads: Callable[[], int]):
+    """An `interleaved_medians` that runs each step once (so that the sides' results can be checked)
+    and records the threads each side would be timed on, timing nothing."""
+
+    def rounds(steps, repeats, warmup=2):
+        for step in steps.values():
+            step()
+        calls.append({"torch": torch.get_num_threads(), "CPUAdam": threads()})
+        return dict.fromkeys(steps, 1.0)
+
+    return rounds
+
+
+def test_threads_reach_tnlg_cpu_adam_as_well_as_torch(monkeypatch, capsys):
+    if not cpu_adam.CPUAdam([torch.zeros(1)]).uses_extension:
+        pytest.skip("the CPUAdam C++ kernel does not build here; the script refuses to run")
+    monkeypatch.delenv(THREADS_VARIABLE, raising=False)  # restored (unset) after the test
+    # One more than CPUAdam would take by itself (its share of the cores it may run on), so that the
+    # count can only come from --threads.
+    wanted = adam_threads() + 1
+    built: list[int] = []
+
+    class Recording(cpu_adam.CPUAdam):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self.threads)
+
+    calls: list[dict[str, int]] = []
+    monkeypatch.setattr(cpu_adam, "CPUAdam", Recording)
+    monkeypatch.setattr(cpu_adam, "interleaved_medians", _untimed_rounds(calls, lambda: built[-1]))
+    monkeypatch.setattr(
+        sys, "argv", ["cpu_adam", "--numel", "4096", "--repeats", "1", "--threads", str(wanted)]
+    )
+    threads = torch.get_num_threads()
+    try:
+        cpu_adam.main()
+    finally:
+        torch.set_num_threads(threads)
+    assert built and set(built) == {wanted}, f"--threads {wanted}: CPUAdam built with {built}"
+    assert calls == [{"torch": wanted, "CPUAdam": wanted}] * len(cpu_adam.CASES)
+    assert f"{wanted} threads on both sides" in capsys.readouterr().out
+
+
+def test_a_case_refuses_to_time_sides_on_different_threads(monkeypatch):
+    # CPUAdam told to take one more thread than torch's pool has: the comparison would be unequal.
+    monkeypatch.setenv(THREADS_VARIABLE, str(torch.get_num_threads() + 1))
+
+    def timing(*args, **kwargs):
+        raise AssertionError("timed sides that run on different thread counts")
+
+    monkeypatch.setattr(cpu_adam, "interleaved_medians", timing)
+    with pytest.raises(SystemExit, match="threads"):
+        cpu_adam.measure_case(torch.float32, numel=64, repeats=1)

@@ -78,10 +78,42 @@ def test_offload_moves_bytes_to_cpu(tnlg_17b):
     assert both_off.cpu_bytes == base.master + base.optimizer_state + 4 * shard + base.params
     assert optimizer_off.device_bytes == base.device_bytes - base.master - base.optimizer_state - base.grads
     assert both_off.device_bytes == optimizer_off.device_bytes - base.params
+    # Stage 1: full gradients stay on the device; the step copies the shard into a host buffer, fp32
+    # for SGD (it steps the fp32 master), and SGD writes no 16-bit copy.
     stage1 = estimate_memory(tnlg_17b, world_size=8, stage=1, offload_optimizer="cpu", optimizer="sgd")
-    assert (
-        stage1.cpu_bytes == stage1.master + stage1.optimizer_state
-    )  # full gradients stay; SGD writes no copy
+    assert stage1.cpu_bytes == stage1.master + stage1.optimizer_state + 4 * shard
+    assert stage1.grads == 2 * tnlg_17b.num_parameters() + 4 * shard
+
+
+@pytest.mark.parametrize(
+    ("precision", "optimizer", "step_grad", "copy"),
+    [("bf16", "adamw", 2, 2), ("bf16", "sgd", 4, 0), ("no", "adamw", 4, 0), ("no", "sgd", 4, 0)],
+)
+def test_stage_1_offload_keeps_a_host_buffer_for_the_steps_gradient_shard(
+    precision, optimizer, step_grad, copy
+):
+    # The engine's FlatGroup.host_step_grad: CPUAdam reads the shard in the compute dtype, another
+    # optimizer in fp32; only CPUAdam over 16-bit parameters writes a 16-bit host copy.
+    psi, n = 1_000_000, 8
+    shard = psi // n
+    kept = model_state_estimate(psi, world_size=n, stage=1, mixed_precision=precision, optimizer=optimizer)
+    offloaded = model_state_estimate(
+        psi, world_size=n, stage=1, mixed_precision=precision, optimizer=optimizer, offload_optimizer="cpu"
+    )
+    assert offloaded.grads == kept.grads + step_grad * shard
+    assert offloaded.offload_copy == copy * shard
+    assert offloaded.cpu_bytes == kept.master + kept.optimizer_state + (step_grad + copy) * shard
+    assert offloaded.device_bytes == kept.device_bytes - kept.master - kept.optimizer_state
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp32_offload_writes_no_16bit_copy(stage):
+    psi, n = 1_000_000, 8
+    estimate = model_state_estimate(
+        psi, world_size=n, stage=stage, mixed_precision="no", offload_optimizer="cpu"
+    )
+    assert estimate.offload_copy == 0
+    assert estimate.cpu_bytes == (4 + 4 + 8) * psi // n  # the fp32 gradient shard, master and moments
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -24,9 +24,11 @@ plan (memory_plan.py) counts these from the engine's own layout.
 
 CPU offload is estimated as the engine places it (see [Note: offload] in sharding/offload.py):
 `offload_optimizer` moves the fp32 master and optimizer state to the host, and in stages 2-3 the
-gradient shard too (kept there in fp32); Adam's offloaded step also keeps a 16-bit copy of the
-shard on the host (`offload_copy`, except in stage 3 with `offload_param`, whose host shard it
-writes directly). `offload_param` moves stage 3's 16-bit parameter shard to the host.
+gradient shard too (kept there in fp32). Stage 1 keeps its full gradients on the device and copies
+the shard into a host buffer for each step, kept across steps (`host_step_grad_bytes`). Adam's
+offloaded step with 16-bit parameters also keeps a 16-bit copy of the shard on the host
+(`offload_copy`, see `writes_16bit_copy`). `offload_param` moves stage 3's 16-bit parameter shard to
+the host.
 `offload_activations` (activation checkpointing's CPU offload) moves the checkpointed blocks' inputs there.
 """
 
@@ -48,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 # Bytes of optimizer state per fp32 master element (torch.optim's fp32 state tensors).
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0}
+# The kinds whose offloaded step the engine runs as CPUAdam (sharding/offload.py `host_adam_for`);
+# any other optimizer steps the fp32 master itself.
+HOST_ADAM_KINDS = ("adam", "adamw")
 FP32_BYTES = 4
 # The engine's default: parameters with at most this many elements stay whole on every rank in stage 3.
 DEFAULT_PERSISTENCE_THRESHOLD = ZeroConfig().param_persistence_threshold
@@ -62,6 +67,8 @@ class MemoryEstimate:
     compute copy, its gradients, the fp32 master weights and e.g. Adam's moments), wherever they
     live. `gathered` is stage 3's working set of whole blocks, `activations` what forward keeps for
     backward. `offload_copy` is the host's 16-bit copy of the updated shard (offloaded Adam).
+    `host_grads` is the part of `grads` in host memory (offload: stages 2-3's gradient shard, stage
+    1's step buffer).
     `offloaded_activations` is the part of `activations` held in host memory (checkpointing's CPU offload).
     `device_bytes` and `cpu_bytes` split the total by the offload settings. With pipeline stages, all
     of these are pipeline rank `pipeline_rank`'s of `pipeline_parallel`.
@@ -78,6 +85,7 @@ class MemoryEstimate:
     master: int
     optimizer_state: int
     offload_copy: int = 0
+    host_grads: int = 0
     gathered: int = 0
     activations: int = 0
     offloaded_activations: int = 0
@@ -93,7 +101,7 @@ class MemoryEstimate:
         offloaded = 0
         if self.offload_optimizer == "cpu":
             offloaded += self.master + self.optimizer_state + self.offload_copy
-            offloaded += self.grads if self.stage >= 2 else 0  # stage 1 keeps full gradients on the device
+        offloaded += self.host_grads
         offloaded += self.offloaded_activations
         return offloaded + (self.params if self.offload_param == "cpu" else 0)
 
@@ -138,9 +146,8 @@ def _model_states(num_parameters: int, world_size: int, zero: ZeroConfig, optimi
     host_optimizer = zero.offload_optimizer == "cpu"
     # offloaded stages 2-3 accumulate the gradient shard on the host in fp32
     grad_bytes = FP32_BYTES if host_optimizer and stage >= 2 else compute
-    # offloaded Adam writes the 16-bit values into a host buffer, or straight into an offloaded shard
-    writes_copy = host_optimizer and compute < FP32_BYTES and optimizer in ("adam", "adamw")
-    offload_copy = compute * shard if writes_copy and offload_param != "cpu" else 0
+    grads = grad_bytes * (shard if stage >= 2 else whole)
+    step_grad = host_step_grad_bytes(zero, optimizer) * shard  # stage 1: the host copy of the shard
     return MemoryEstimate(
         num_parameters=num_parameters,
         world_size=world_size,
@@ -149,11 +156,38 @@ def _model_states(num_parameters: int, world_size: int, zero: ZeroConfig, optimi
         offload_optimizer=zero.offload_optimizer,
         offload_param=offload_param,
         params=compute * (shard if stage == 3 else whole),
-        grads=grad_bytes * (shard if stage >= 2 else whole),
+        grads=grads + step_grad,
         master=FP32_BYTES * optimizer_elements,
         optimizer_state=OPTIMIZER_STATE_BYTES[optimizer] * optimizer_elements,
-        offload_copy=offload_copy,
+        offload_copy=compute * shard if writes_16bit_copy(zero, optimizer) else 0,
+        host_grads=(grads if host_optimizer and stage >= 2 else 0) + step_grad,
     )
+
+
+def writes_16bit_copy(zero: ZeroConfig, optimizer: str) -> bool:
+    """Whether the offloaded step keeps a host buffer of its own for the updated 16-bit shard
+    (`offload_copy`; the engine's `_host_16bit_shard` in sharding/optimizer.py): CPUAdam writes one
+    (the Adam kinds; another optimizer steps the fp32 master, cast on the device), with 16-bit
+    parameters only (fp32 ones go back as the master itself), and not in stage 3 with
+    `offload_param`, whose host parameter shard it writes directly. The estimate and the meta-device
+    plan both ask this."""
+    return (
+        zero.offload_optimizer == "cpu"
+        and optimizer in HOST_ADAM_KINDS
+        and _compute_bytes(zero.mixed_precision) < FP32_BYTES
+        and zero.offload_param != "cpu"
+    )
+
+
+def host_step_grad_bytes(zero: ZeroConfig, optimizer: str) -> int:
+    """Bytes per shard element of the host buffer stage 1's offloaded step copies the gradient shard
+    into (the engine's `FlatGroup.host_step_grad`, kept across steps, since pinning at exact size is
+    costly): the compute dtype for CPUAdam (the Adam kinds), which reads gradients as they are; fp32
+    for another optimizer, which steps the fp32 master. 0 without offload, and in stages 2-3, whose
+    gradient shard is on the host already. The estimate and the meta-device plan both ask this."""
+    if zero.offload_optimizer != "cpu" or zero.stage != 1:
+        return 0
+    return _compute_bytes(zero.mixed_precision) if optimizer in HOST_ADAM_KINDS else FP32_BYTES
 
 
 def estimate_memory(

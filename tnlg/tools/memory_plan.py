@@ -13,7 +13,8 @@ policies over the real blocks and units:
   reducer copies them, unit by unit, into buckets;
 - reduce buckets: stages 2-3 copy each unit's gradients into a bucket kept until its reduce-scatter
   completes, at most `BUCKETS_IN_FLIGHT` reduce buckets' worth in flight (sharding/grads.py), plus
-  the one being filled: bounded from above, since the order units complete in follows autograd.
+  the one being filled, each with its reduce-scatter's output (this rank's 1/N piece, kept until the
+  collective completes too): bounded from above, since the order units complete in follows autograd.
 
 Not counted, as in the estimate: the CUDA context and NCCL's own buffers, allocator fragmentation,
 temporaries inside kernels. Activations come from `memory.activation_bytes` (a formula: the model
@@ -39,7 +40,13 @@ from tnlg.sharding.params import blocks_to_prefetch, prefetch_floor
 from tnlg.sharding.partition import FlatLayout
 from tnlg.sharding.pipeline import keep_stage_parameters
 from tnlg.sharding.plan import ShardingPlan, plan_sharding
-from tnlg.tools.memory import FP32_BYTES, GB, OPTIMIZER_STATE_BYTES
+from tnlg.tools.memory import (
+    FP32_BYTES,
+    GB,
+    OPTIMIZER_STATE_BYTES,
+    host_step_grad_bytes,
+    writes_16bit_copy,
+)
 
 
 @dataclass(frozen=True)
@@ -48,12 +55,14 @@ class RankMemoryPlan:
     with pipeline stages, a rank of pipeline rank `pipeline_rank` of `pipeline_parallel`.
 
     Model states (kept all step), as `ZeroEngine.memory_stats` counts them: `params` (16-bit; stage 3:
-    the shard plus the persistent units), `grads`, `master`, `optimizer_state`, `offload_copy` (the
-    offloaded step's 16-bit copy of the shard). Transients, each at its own peak (their sum bounds
-    their joint peak from above: whole gradients become buckets as units are reduced): `gathered`
-    (stage 3's gathered blocks), `full_grads` (stage 3's whole gradients before reduction), `buckets`
-    (reduce buckets). `activations` come from the caller, offloaded ones included; `host` is what
-    offload keeps in host memory."""
+    the shard plus the persistent units), `grads` (stage 1 with the optimizer offloaded: with the
+    host buffer the step copies the gradient shard into, `memory.host_step_grad_bytes`), `master`,
+    `optimizer_state`, `offload_copy` (the offloaded step's 16-bit copy of the shard, where
+    `memory.writes_16bit_copy`). Transients, each at its own peak (their sum bounds their joint peak
+    from above: whole gradients become buckets as units are reduced): `gathered` (stage 3's gathered
+    blocks), `full_grads` (stage 3's whole gradients before reduction), `buckets` (reduce buckets and
+    their reduce-scatter outputs). `activations` come from the caller, offloaded ones included;
+    `host` is what offload keeps in host memory."""
 
     world_size: int
     stage: int
@@ -237,14 +246,18 @@ def _plan(
     offload_param = zero.offload_param == "cpu"
 
     params = compute * (full if zero.stage < 3 else shard + _persistent_numel(plan, layouts))
-    # Stages 2-3 keep a gradient shard (fp32 on the host when the optimizer is there), 0-1 a full buffer.
+    # Stages 2-3 keep a gradient shard (fp32 on the host when the optimizer is there), 0-1 a full buffer;
+    # stage 1 with the optimizer on the host also a host buffer the step copies the shard into.
     grad_bytes = FP32_BYTES if offload_optimizer else compute
     grads = grad_bytes * shard if zero.stage >= 2 else compute * full
+    step_grad = host_step_grad_bytes(zero, optimizer_kind) * shard
     master, optimizer_state = FP32_BYTES * shard, OPTIMIZER_STATE_BYTES[optimizer_kind] * shard
-    offload_copy = compute * shard if offload_optimizer and not (zero.stage == 3 and offload_param) else 0
+    # The same condition as the estimate's: only CPUAdam over 16-bit parameters writes a host copy.
+    offload_copy = compute * shard if writes_16bit_copy(zero, optimizer_kind) else 0
     host = offloaded_activations + (compute * shard if offload_param else 0)
     if offload_optimizer:
-        host += master + optimizer_state + offload_copy + (grads if zero.stage >= 2 else 0)
+        host += master + optimizer_state + offload_copy + (grads if zero.stage >= 2 else 0) + step_grad
+    grads += step_grad
 
     unit_numels = [unit.numel for layout in layouts for unit in layout.units]
     gathered = full_grads = floor = 0
@@ -255,7 +268,7 @@ def _plan(
         gathered = compute * peak
         full_grads = compute * (root + max(blocks, default=0))
         floor = prefetch_floor(root, blocks)
-    buckets = compute * _peak_buckets(unit_numels, zero) if zero.stage >= 2 else 0
+    buckets = compute * _peak_buckets(unit_numels, zero, world_size) if zero.stage >= 2 else 0
     return RankMemoryPlan(
         world_size=world_size,
         stage=zero.stage,
@@ -332,14 +345,18 @@ def _peak_gathered(root: int, blocks: list[int], zero: ZeroConfig) -> tuple[int,
     return peak, prefetched
 
 
-def _peak_buckets(unit_numels: list[int], zero: ZeroConfig) -> int:
-    """Stages 2-3: the most bucket elements alive at once, whatever order the units' gradients complete
-    in (that follows autograd, not the layout). The reducer fills a new bucket while earlier ones are in
-    flight, then completes the oldest until at most the cap remain, or one bucket: so before a new
-    bucket of at most the largest unit L, at most max(cap, L) are in flight."""
+def _peak_buckets(unit_numels: list[int], zero: ZeroConfig, world_size: int) -> int:
+    """Stages 2-3: the most bucket elements alive at once, with their reduce-scatter outputs, whatever
+    order the units' gradients complete in (that follows autograd, not the layout). The reducer fills
+    a new bucket while earlier ones are in flight, then completes the oldest until at most the cap
+    remain, or one bucket: so before a new bucket of at most the largest unit L, at most max(cap, L)
+    are in flight. Each bucket in flight also holds the output its reduce-scatter writes, this rank's
+    piece of the unit (`reduced` in `GradientReducer._reduce`): numel / N elements, exactly, since a
+    unit's numel is padded to a multiple of the N shards."""
     largest = max(unit_numels)
     cap = BUCKETS_IN_FLIGHT * zero.reduce_bucket_size
-    return min(sum(unit_numels), max(cap, largest) + largest)
+    buckets = min(sum(unit_numels), max(cap, largest) + largest)
+    return buckets + buckets // world_size
 
 
 def format_plans(plans: list[RankMemoryPlan], device_memory: int | None = None) -> str:
