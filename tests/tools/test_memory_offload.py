@@ -63,6 +63,17 @@ CASES = [
 ]
 
 
+def _tool_row(tool, host: int) -> dict[str, int]:
+    """A memory plan's or estimate's figures, by the names the engine's are compared under."""
+    return {
+        "params (with the host copy)": tool.params + tool.offload_copy,
+        "grads": tool.grads,
+        "master": tool.master,
+        "optimizer state": tool.optimizer_state,
+        "host": host,
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("stage", "precision", "kind"), CASES)
 def test_estimate_and_plan_equal_what_an_offloaded_engine_holds(stage, precision, kind):
@@ -86,13 +97,7 @@ def test_estimate_and_plan_equal_what_an_offloaded_engine_holds(stage, precision
         meta, _optimizer(meta, kind), ZeroConfig(**zero), world_size=WORLD, optimizer_kind=tool_kind,
         device_type="cpu",
     )  # fmt: skip
-    planned = {
-        "params (with the host copy)": plan.params + plan.offload_copy,
-        "grads": plan.grads,
-        "master": plan.master,
-        "optimizer state": plan.optimizer_state,
-        "host": plan.host,
-    }
+    planned = _tool_row(plan, host=plan.host)
     assert planned == engine, f"plan {planned}\nengine {engine}"
 
     psi = sum(p.numel() for p in meta.parameters())
@@ -100,13 +105,7 @@ def test_estimate_and_plan_equal_what_an_offloaded_engine_holds(stage, precision
         psi, world_size=WORLD, stage=stage, mixed_precision=precision, offload_optimizer="cpu",
         optimizer=tool_kind,
     )  # fmt: skip
-    estimated = {
-        "params (with the host copy)": estimate.params + estimate.offload_copy,
-        "grads": estimate.grads,
-        "master": estimate.master,
-        "optimizer state": estimate.optimizer_state,
-        "host": estimate.cpu_bytes,
-    }
+    estimated = _tool_row(estimate, host=estimate.cpu_bytes)
     assert estimated == engine, f"estimate {estimated}\nengine {engine}"
     assert estimate.model_states == stats["total"] - counters
 
