@@ -54,9 +54,11 @@ from tnlg.eval.suite import (
     text_tokens,
 )
 from tnlg.eval.tasks import EvaluationRows, evaluation_rows
+from tnlg.inference.distributed import sharded_precision
 from tnlg.inference.ranks import rank_and_world
 from tnlg.run.cli import configure_logging, exit_on_input_error
 from tnlg.run.finetune_config import FinetuneConfig, load_finetune_config
+from tnlg.sharding.deepspeed import zero_config_from
 
 logger = logging.getLogger("evaluate")
 
@@ -131,7 +133,11 @@ def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[st
         help="shard the model (default 3 when launched on several processes)",
     )
     parser.add_argument("--zero-config", help="ZeroConfig or DeepSpeed JSON for the sharded model")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        help="compute dtype (default: float32, or the --zero-config's bf16/fp16 when it enables one)",
+    )
     harness = parser.add_argument_group("lm-evaluation-harness (--harness lm-eval)")
     harness.add_argument("--harness", choices=[HARNESS], help="run the --tasks of this harness on the model")
     harness.add_argument("--tasks", help="comma-separated task names (lm-eval's, or --include-path's)")
@@ -159,6 +165,14 @@ def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[st
     check_result_names(parser, args)
     if args.harness:
         check_harness_arguments(parser, args)
+    if args.zero_config and args.dtype:
+        try:  # the rule load_sharded_model applies, named by the flags and before anything loads
+            sharded_precision(
+                zero_config_from(args.zero_config), DTYPES[args.dtype], f"--dtype {args.dtype}",
+                f"--zero-config {args.zero_config}",
+            )  # fmt: skip
+        except ValueError as error:
+            parser.error(str(error))
     return args, overrides
 
 
@@ -352,7 +366,8 @@ def main(argv: list[str] | None = None) -> dict:
     planned = planned_measurements(args, config, tasks)
     refuse_other_measurements(target, planned)
     inputs = read_inputs(args, config)
-    model, tokenizer = load_for_evaluation(args.model, args.zero_stage, DTYPES[args.dtype], args.zero_config)
+    dtype = DTYPES[args.dtype] if args.dtype else None  # None: float32, or the --zero-config's precision
+    model, tokenizer = load_for_evaluation(args.model, args.zero_stage, dtype, args.zero_config)
     results = evaluate_inputs(args, config, inputs, model, tokenizer, planned)
     if manager is not None:
         results |= harness_evaluation(args, model, tokenizer, manager, tasks)

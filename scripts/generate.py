@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from tnlg.inference.distributed import (
-    MIXED_PRECISION,
     generate_on_ranks,
     init_process_group_from_environment,
     load_sharded_model,
+    sharded_precision,
 )
 from tnlg.inference.generation import generate_texts, load_model_and_tokenizer
 from tnlg.inference.settings import GenerationSettings
@@ -95,18 +95,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 def sharded_settings(args: argparse.Namespace) -> tuple[ZeroConfig, torch.dtype | None]:
     """The ZeroConfig for a sharded model (--zero-config, its stage replaced by --zero-stage) and the
-    --dtype to load it in: None leaves the config's mixed precision. A --dtype that disagrees with a
-    --zero-config enabling bf16 or fp16 is a ValueError naming both (a config that enables neither
-    takes the --dtype, the rule of every front door: `DeepSpeedConfig.with_mixed_precision`)."""
+    --dtype to load it in (None: the config's mixed precision), settled by `sharded_precision` here,
+    before any process group, so that a conflict is named by its flags."""
     config = zero_config_from(args.zero_config)
     if args.zero_stage is not None:
         config = config.replace(stage=args.zero_stage)
     dtype = None if args.dtype is None else DTYPES[args.dtype]
-    if dtype is not None and config.mixed_precision not in ("no", MIXED_PRECISION[dtype]):
-        raise ValueError(
-            f"--dtype {args.dtype} conflicts with --zero-config {args.zero_config}, which enables "
-            f"{config.mixed_precision}: leave out --dtype, or make them agree"
-        )
+    sharded_precision(config, dtype, f"--dtype {args.dtype}", f"--zero-config {args.zero_config}")
     return config, dtype
 
 

@@ -40,6 +40,45 @@ def test_flags_nothing_reads_and_zero_sizes_are_refused(flags, named, capsys):
     assert named in refusal(["--model", "debug", *flags], capsys)
 
 
+def _bf16_config(tmp_path: Path) -> str:
+    path = tmp_path / "deepspeed.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))
+    return str(path)
+
+
+def test_a_dtype_the_zero_config_disagrees_with_is_refused(tmp_path, capsys):
+    config = _bf16_config(tmp_path)
+    error = refusal(
+        ["--model", "debug", "--perplexity", "a.txt", "--zero-config", config, "--dtype", "float32"], capsys
+    )
+    assert f"--dtype float32 conflicts with --zero-config {config}, which enables bf16" in error
+
+
+def test_the_zero_configs_precision_is_kept_without_a_dtype(tmp_path, monkeypatch):
+    # --dtype defaulted to float32 and load_sharded_model computed a bf16 config's model in float32
+    import scripts.evaluate as script
+
+    class Loaded(Exception):
+        pass
+
+    def load(model_dir, zero_stage, dtype, zero_config):
+        raise Loaded(dtype)
+
+    monkeypatch.setattr(script, "load_for_evaluation", load)
+    (tmp_path / "a.txt").write_text("some text to score")
+    argv = [
+        "--model",
+        str(tmp_path),
+        "--perplexity",
+        str(tmp_path / "a.txt"),
+        "--zero-config",
+        _bf16_config(tmp_path),
+    ]
+    with pytest.raises(Loaded) as loaded:
+        main(argv)
+    assert loaded.value.args == (None,)
+
+
 def test_two_perplexity_files_of_one_name_are_refused(tmp_path, capsys):
     first, second = tmp_path / "a" / "notes.txt", tmp_path / "b" / "notes.txt"
     error = refusal(["--model", "debug", "--perplexity", str(first), "--perplexity", str(second)], capsys)

@@ -193,6 +193,31 @@ def test_single_process_falls_back_to_generate_texts(checkpoint, reference):
     assert generate_on_ranks(engine, tokenizer, PROMPTS, GREEDY) == _expected(reference, PROMPTS, GREEDY)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "enabled", "computes"),
+    [
+        (None, "bf16", "bf16"),
+        (torch.bfloat16, "bf16", "bf16"),
+        (torch.float16, "no", "fp16"),
+        (None, "no", "no"),
+    ],
+)
+def test_sharded_loading_keeps_the_configs_precision_unless_a_dtype_is_given(
+    checkpoint, dtype, enabled, computes
+):
+    engine, _ = load_sharded_model(checkpoint, ZeroConfig(stage=0, mixed_precision=enabled), dtype=dtype)
+    assert engine.config.mixed_precision == computes
+
+
+@pytest.mark.parametrize(("dtype", "enabled"), [(torch.float32, "bf16"), (torch.bfloat16, "fp16")])
+def test_sharded_loading_refuses_a_dtype_the_config_disagrees_with(checkpoint, dtype, enabled):
+    # it replaced the config's bf16 with float32 silently (scripts/evaluate.py passed float32 by default)
+    with pytest.raises(
+        ValueError, match=rf"dtype {dtype} conflicts with the ZeRO config, which enables {enabled}"
+    ):
+        load_sharded_model(checkpoint, ZeroConfig(stage=0, mixed_precision=enabled), dtype=dtype)
+
+
 def test_sharded_loading_needs_a_checkpoint_directory():
     with pytest.raises(ValueError, match="not a checkpoint directory"):
         load_sharded_model("debug", STAGE_3)

@@ -52,12 +52,13 @@ DATA_SUFFIXES = tuple(sorted(BUILDERS))  # the files read as rows of a text colu
 def load_for_evaluation(
     model_dir: str | Path,
     zero_stage: int | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     zero_config: str | Path | None = None,
 ) -> tuple[torch.nn.Module, Any]:
     """The checkpoint whole in this process, or sharded across the launched ranks by the ZeRO engine
     (`zero_config`, a ZeroConfig or DeepSpeed JSON, with `zero_stage` overriding its stage; stage 3
-    when several processes are launched and neither says otherwise)."""
+    when several processes are launched and neither says otherwise). `dtype`: None computes in float32,
+    or sharded in the mixed precision the config enables (`sharded_precision`)."""
     distributed = init_process_group_from_environment()
     if distributed or zero_stage is not None or zero_config is not None:
         config = zero_config_from(zero_config) if zero_config is not None else ZeroConfig(stage=3)
@@ -65,7 +66,7 @@ def load_for_evaluation(
             config = config.replace(stage=zero_stage)
         return load_sharded_model(model_dir, config, dtype=dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return load_model_and_tokenizer(model_dir, dtype, device)
+    return load_model_and_tokenizer(model_dir, dtype or torch.float32, device)
 
 
 def is_data_file(path: str | Path) -> bool:

@@ -86,8 +86,8 @@ def load_sharded_model(
     The model is built on the meta device from the checkpoint's config and each rank reads only its
     slices of the safetensors (see [Note: pretrained shards]), so no rank ever holds the whole
     model under stage 3. The engine is inference only (no optimizer, gradients or optimizer state).
-    `dtype` is the compute dtype (bf16/fp16 set the engine's mixed precision, overriding
-    `zero_config`'s); `device` defaults to the current CUDA device, else the CPU. The tokenizer is
+    `dtype` is the compute dtype, settled with `zero_config`'s mixed precision by `sharded_precision`
+    (None keeps the config's; a dtype the config's bf16/fp16 disagrees with is refused); `device` defaults to the current CUDA device, else the CPU. The tokenizer is
     `load_tokenizer_for(model_dir, tokenizer)`'s. Collective: every rank of the group must call it.
     """
     path = Path(model_dir)
@@ -96,15 +96,32 @@ def load_sharded_model(
             f"{model_dir!r} is not a checkpoint directory: sharded loading reads a saved model's safetensors"
         )
     loaded = load_tokenizer_for(path, tokenizer)
-    config = zero_config_from(zero_config)
-    if dtype is not None:
-        if dtype not in MIXED_PRECISION:
-            raise ValueError(f"dtype {dtype} is not one of {sorted(map(str, MIXED_PRECISION))}")
-        config = config.replace(mixed_precision=MIXED_PRECISION[dtype])
+    config = sharded_precision(zero_config_from(zero_config), dtype)
     model = meta_from_pretrained(TNLGForCausalLM, path)
     check_vocabulary(loaded, model.config.vocab_size)
     engine = initialize(model, None, config, device=device)
     return engine.eval(), loaded
+
+
+def sharded_precision(
+    config: ZeroConfig, dtype: torch.dtype | None, given: str | None = None, source: str = "the ZeRO config"
+) -> ZeroConfig:
+    """`config` computing in `dtype`: None keeps its mixed precision, a config that enables none takes
+    the dtype's, and one that enables another is a ValueError naming both (`given`: how the dtype was
+    set, e.g. "--dtype float32"; `source`: where the config came from). The rule of every front door
+    (`DeepSpeedConfig.with_mixed_precision`), except that an explicit float32 is a choice here, not
+    "whatever the config enables": a model asked for in float32 is not computed in bf16."""
+    if dtype is None:
+        return config
+    if dtype not in MIXED_PRECISION:
+        raise ValueError(f"dtype {dtype} is not one of {sorted(map(str, MIXED_PRECISION))}")
+    wanted = MIXED_PRECISION[dtype]
+    if config.mixed_precision not in ("no", wanted):
+        raise ValueError(
+            f"{given or f'dtype {dtype}'} conflicts with {source}, which enables {config.mixed_precision}: "
+            "leave the dtype out to compute in it, or make them agree"
+        )
+    return config.replace(mixed_precision=wanted)
 
 
 @torch.inference_mode()
