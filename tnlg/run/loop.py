@@ -239,12 +239,11 @@ def _pipeline_train_step(run: Run, batches: Iterator[dict[str, torch.Tensor]], s
     micro_batches = pipeline_micro_batches(loaded, run.engine.parallel.dims.pipeline)
     # The mean over micro-batches and data replicas, the same on every rank: all take the same decision.
     mean_loss = run.engine.train_batch(micro_batches).item()
-    tokens = torch.tensor(
-        float(sum(batch["input_ids"].numel() for batch in micro_batches)), device=accelerator.device
-    )
-    # every data replica's tokens once (the ranks of a pipeline and tensor group read the same ones)
+    # Every data replica's tokens once: train_batch has agreed the micro-batches' count and shape over
+    # the world ([Note: micro-batches agreed before the schedule]), so each replica read as many as this
+    # rank; a reduction would only repeat that agreement, a collective and a host wait per step.
     step_tokens = (
-        accelerator.reduce(tokens, "sum").item() * accelerator.data_parallel_size / accelerator.num_processes
+        float(sum(batch["input_ids"].numel() for batch in micro_batches)) * accelerator.data_parallel_size
     )
     if math.isfinite(mean_loss):
         run.scheduler.step()
