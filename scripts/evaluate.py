@@ -311,8 +311,11 @@ def evaluate_inputs(
     positions = getattr(model, "module", model).config.max_position_embeddings
     max_length = args.max_length if args.max_length is not None else positions
     ids = {path: text_tokens(tokenizer, text, path) for path, text in inputs.texts.items()}
-    if inputs.passages is not None:
+    passages = (
         check_passage_tokens(tokenizer, inputs.passages, args.lambada, positions)
+        if inputs.passages is not None
+        else None
+    )
     selected = select_task_rows(config, args, inputs.rows, tokenizer, planned)
     names = {path: result for result, path in result_sources(args).items()}
     results = {
@@ -321,10 +324,8 @@ def evaluate_inputs(
         )
         for path, text in inputs.texts.items()
     }
-    if inputs.passages is not None:
-        results[names[args.lambada]] = score_lambada(
-            model, tokenizer, inputs.passages, args.lambada, positions
-        )
+    if passages is not None:
+        results[names[args.lambada]] = score_lambada(model, passages, args.lambada, positions)
     if config is not None:
         name, evaluation = task_result_name(config, args.split), config.evaluation
         scores = score_task(

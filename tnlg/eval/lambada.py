@@ -98,6 +98,12 @@ def encode_passage(tokenizer, passage: str) -> tuple[list[int], list[int]]:
     return context_ids, target_ids
 
 
+def check_last_word_fits(target_ids: Sequence[int], max_length: int | None) -> None:
+    """ValueError unless the last word's tokens fit `max_length` positions (None: any length)."""
+    if max_length is not None and len(target_ids) > max_length:
+        raise ValueError(f"a last word of {len(target_ids)} tokens does not fit {max_length} positions")
+
+
 @torch.no_grad()
 def score_passage(
     model: nn.Module,
@@ -109,8 +115,7 @@ def score_passage(
 ) -> PassageScore:
     """The target's log-likelihood after the context, and whether greedy decoding produces it; the
     input keeps its last `max_length` tokens (None: all of them)."""
-    if max_length is not None and len(target_ids) > max_length:
-        raise ValueError(f"a last word of {len(target_ids)} tokens does not fit {max_length} positions")
+    check_last_word_fits(target_ids, max_length)
     device = torch.device(device) if device is not None else model_device(model)
     tokens = list(context_ids) + list(target_ids)
     if max_length is not None:
@@ -132,15 +137,25 @@ def last_word_scores(
     device: torch.device | str | None = None,
 ) -> LastWordResult:
     """Accuracy and last-word perplexity over `passages` (every rank returns the totals)."""
-    if not passages:
+    encoded = [encode_passage(tokenizer, passage) for passage in passages]
+    return encoded_last_word_scores(model, encoded, max_length=max_length, device=device)
+
+
+def encoded_last_word_scores(
+    model: nn.Module,
+    encoded: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    max_length: int | None = None,
+    device: torch.device | str | None = None,
+) -> LastWordResult:
+    """`last_word_scores` of passages already encoded, (context ids, target ids) each."""
+    if not encoded:
         raise ValueError("no passages to evaluate")
     device = torch.device(device) if device is not None else model_device(model)
     totals = torch.zeros(2, dtype=torch.float64)  # [greedy passages, summed log-likelihood]
-    for passage, weight in rank_share(list(passages)):
-        score = score_passage(
-            model, *encode_passage(tokenizer, passage), max_length=max_length, device=device
-        )
+    for (context_ids, target_ids), weight in rank_share(list(encoded)):
+        score = score_passage(model, context_ids, target_ids, max_length=max_length, device=device)
         if weight:  # a repeat only keeps this rank in step (0 * a log-likelihood of -inf would be nan)
             totals += torch.tensor([float(score.greedy), score.loglikelihood], dtype=torch.float64)
     totals = all_ranks_sum(totals)
-    return LastWordResult(round(totals[0].item()), len(passages), totals[1].item())
+    return LastWordResult(round(totals[0].item()), len(encoded), totals[1].item())

@@ -35,7 +35,7 @@ import torch
 from tnlg.data.files import DamagedFileError, compression_of
 from tnlg.data.finetune import BUILDERS, Rows, load_rows
 from tnlg.data.tasks import TaskFormat
-from tnlg.eval.lambada import encode_passage, last_word_scores, split_last_word
+from tnlg.eval.lambada import check_last_word_fits, encode_passage, encoded_last_word_scores, split_last_word
 from tnlg.eval.perplexity import perplexity
 from tnlg.eval.tasks import EvaluationRows, evaluation_rows, task_metrics
 from tnlg.inference.distributed import init_process_group_from_environment, load_sharded_model
@@ -183,18 +183,21 @@ def read_passages(path: str | Path, text_field: str = "text") -> list[str]:
     return passages
 
 
-def check_passage_tokens(tokenizer, passages: list[str], path: str | Path, max_length: int | None) -> None:
-    """Every passage makes a context and a last word of tokens that fit `max_length` positions: checked
-    before any evaluation, so that a bad passage costs none."""
+def check_passage_tokens(
+    tokenizer, passages: list[str], path: str | Path, max_length: int | None
+) -> list[tuple[list[int], list[int]]]:
+    """Every passage's (context ids, last word's ids), each checked to make a context and a last word
+    that fits `max_length` positions: before any evaluation, so that a bad passage costs none; the
+    scoring takes them as they are (`score_lambada`)."""
+    encoded = []
     for index, passage in enumerate(passages):
         try:
-            _, target = encode_passage(tokenizer, passage)
+            context, target = encode_passage(tokenizer, passage)
+            check_last_word_fits(target, max_length)
         except ValueError as error:
             raise ValueError(f"{path} row {index}: {error}") from error
-        if max_length is not None and len(target) > max_length:
-            raise ValueError(
-                f"{path} row {index}: a last word of {len(target)} tokens does not fit {max_length} positions"
-            )
+        encoded.append((context, target))
+    return encoded
 
 
 def evaluate_lambada(
@@ -202,13 +205,15 @@ def evaluate_lambada(
 ) -> dict[str, Any]:
     """Last-word accuracy and perplexity of the passages of a data file; passages longer than
     `max_length` tokens (the model's positions) keep their last ones, as lm-eval's do."""
-    return score_lambada(model, tokenizer, read_passages(path, text_field), path, max_length)
+    encoded = check_passage_tokens(tokenizer, read_passages(path, text_field), path, max_length)
+    return score_lambada(model, encoded, path, max_length)
 
 
 def score_lambada(
-    model, tokenizer, passages: list[str], source: str | Path, max_length: int | None = None
+    model, encoded: list[tuple[list[int], list[int]]], source: str | Path, max_length: int | None = None
 ) -> dict[str, Any]:
-    result = last_word_scores(model, tokenizer, passages, max_length=max_length)
+    """`evaluate_lambada`'s result for passages `check_passage_tokens` encoded."""
+    result = encoded_last_word_scores(model, encoded, max_length=max_length)
     return {"source": str(source), **result.as_dict()}
 
 
