@@ -16,7 +16,22 @@ import types
 
 import numpy as np
 import torch
-from transformers import GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def source_gpt2(vocab: int, width: int, layers: int, heads: int, positions: int) -> GPT2LMHeadModel:
+    """The GPT-2 the conversion tests turn into Megatron-LM checkpoints and back: eager attention, and its
+    LayerNorms and biases moved off their 1/0 init, so that a +1 or a dropped bias would show."""
+    config = GPT2Config(
+        vocab_size=vocab, n_positions=positions, n_embd=width, n_layer=layers, n_head=heads, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    model = GPT2LMHeadModel._from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "ln_" in name or name.endswith(".bias"):
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    return model
 
 
 def _qkv_shard(

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 from scripts.convert_checkpoint import main as convert_main
-from tests.support.megatron_layout import megatron_shards, save_megatron_checkpoint
+from tests.support.megatron_layout import megatron_shards, save_megatron_checkpoint, source_gpt2
 from tnlg import TNLGForCausalLM
 from tnlg.tools.convert import from_megatron, read_megatron_checkpoint
 
@@ -19,15 +19,7 @@ VOCAB, HEADS = 300, 4
 
 @pytest.fixture
 def gpt2() -> GPT2LMHeadModel:
-    config = GPT2Config(
-        vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=4, n_head=HEADS, bos_token_id=0, eos_token_id=0
-    )
-    model = GPT2LMHeadModel._from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "ln_" in name or name.endswith(".bias"):
-                parameter.add_(0.1 * torch.randn_like(parameter))
-    return model
+    return source_gpt2(VOCAB, width=64, layers=4, heads=HEADS, positions=64)
 
 
 def assert_same_function(tnlg: TNLGForCausalLM, gpt2: GPT2LMHeadModel) -> None:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 import scripts.convert_checkpoint as convert_script
 from scripts.convert_checkpoint import main as convert_main
 from scripts.convert_checkpoint import parse_args
-from tests.support.megatron_layout import megatron_shards, save_megatron_checkpoint
+from tests.support.megatron_layout import megatron_shards, save_megatron_checkpoint, source_gpt2
 from tnlg import TNLGForCausalLM
 from tnlg.sharding.consolidate import consolidate
 from tnlg.tools.convert import from_megatron
@@ -22,15 +22,7 @@ VOCAB, HEADS = 96, 2
 
 @pytest.fixture
 def gpt2() -> GPT2LMHeadModel:
-    config = GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=HEADS, bos_token_id=0, eos_token_id=0
-    )
-    model = GPT2LMHeadModel._from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():  # LayerNorms off their 1/0 init, so a +1 slip would show
-        for name, parameter in model.named_parameters():
-            if "ln_" in name or name.endswith(".bias"):
-                parameter.add_(0.1 * torch.randn_like(parameter))
-    return model
+    return source_gpt2(VOCAB, width=32, layers=2, heads=HEADS, positions=32)
 
 
 @pytest.fixture
