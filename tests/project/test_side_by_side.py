@@ -153,14 +153,19 @@ def test_a_cuda_graph_mode_leaves_stage_3_out_and_says_why(mode):
 
 
 @pytest.mark.parametrize(("mode", "resets"), [("reduce-overhead", 1), ("max-autotune-no-cudagraphs", 0)])
-def test_a_cuda_graph_slot_starts_without_an_earlier_slots_graphs(monkeypatch, mode, resets):
+def test_a_cuda_graph_slot_drops_its_graphs_when_it_ends(monkeypatch, mode, resets):
+    """When the slot closes, not when the next compiled one is built: the eager slots between them
+    would count the graphs' memory in their peak."""
     settings = side_by_side.Settings.create(
         True, CPU, None, checkpointing=False, compiled=True, compile_mode=mode
     )
     workload = side_by_side.make_workload(settings)
     calls = []
     monkeypatch.setattr(torch.compiler, "reset", lambda: calls.append("reset"))
-    side_by_side.tnlg_trainer(workload, stage=0, compiled=True).close()
+    trainer = side_by_side.tnlg_trainer(workload, stage=0, compiled=True)
+    assert calls == []
+    trainer.close()
+    assert len(calls) == resets
     side_by_side.tnlg_trainer(workload, stage=0).close()  # eager: nothing to reset
     assert len(calls) == resets
 
