@@ -277,9 +277,14 @@ def read_inputs(args: argparse.Namespace, config: FinetuneConfig | None) -> Inpu
     return inputs
 
 
+def harness_measurement(args: argparse.Namespace) -> dict:
+    """What an lm-eval result is measured on: recorded with it, and compared before it is replaced."""
+    return {"num_fewshot": args.num_fewshot, "limit": args.limit}
+
+
 def planned_measurements(args: argparse.Namespace, config: FinetuneConfig | None, tasks: list[str]) -> dict:
     """{result name: what it is measured on} for the task and lm-eval results (files have `source`)."""
-    planned = {f"{HARNESS}:{task}": {"num_fewshot": args.num_fewshot, "limit": args.limit} for task in tasks}
+    planned = {f"{HARNESS}:{task}": harness_measurement(args) for task in tasks}
     if config is not None:
         planned[task_result_name(config, args.split)] = task_measurement(
             config, args.split, args.max_examples
@@ -351,7 +356,7 @@ def harness_evaluation(args, model, tokenizer, manager, tasks: list[str]) -> dic
         batch_size=args.batch_size if args.batch_size is not None else 1,
         limit=args.limit,
     )
-    measured_on = {"num_fewshot": args.num_fewshot, "limit": args.limit}
+    measured_on = harness_measurement(args)
     return {name: entry | {"measured_on": measured_on} for name, entry in harness_results(output).items()}
 
 
