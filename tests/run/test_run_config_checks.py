@@ -24,10 +24,6 @@ from tnlg.run.finetune_config import load_finetune_config
         (["--evaluation.generation.top_p", "0"], "evaluation.generation.top_p must be in (0, 1]"),
         (["--evaluation.generation.temperature", "0"], "evaluation.generation.temperature must be"),
         (["--lora.enabled", "true", "--parallel.tensor", "2"], "lora.enabled with parallel.tensor 2"),
-        (
-            ["--evaluation.generation.do_sample", "true", "--parallel.tensor", "2"],
-            "evaluation.generation.do_sample with parallel.tensor 2",
-        ),
         (["--lora.r", "4"], "lora.r is set but lora.enabled is false"),
         (["--lora.enabled", "true", "--lora.r", "0"], "lora.r must be >= 1"),
         (["--lora.enabled", "true", "--lora.alpha", "0"], "lora.alpha must be > 0"),

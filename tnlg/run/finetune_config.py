@@ -180,14 +180,6 @@ class FinetuneConfig(TrainingConfig):
                 "fine-tune with LoRA on data parallelism (parallel.tensor 1, a ZeRO stage to save memory), or "
                 "without LoRA under tensor slicing"
             )
-        if self.evaluation.generation.do_sample and self.parallel.tensor > 1:
-            # The ranks of one tensor-sliced replica decode together, so they must pick the same tokens;
-            # each draws samples from its own generator, whose states part (a resume seeds them by rank).
-            raise ValueError(
-                f"evaluation.generation.do_sample with parallel.tensor {self.parallel.tensor}: the tensor ranks "
-                "of a replica would draw different tokens; evaluate with greedy or beam search (do_sample "
-                "false), or sample from the saved model with scripts/generate.py"
-            )
         if self.parallel.pipeline > 1:
             # Task examples are padded (an attention mask the stages cannot carry), and the evaluation
             # generates with the whole model, which no rank holds under pipeline stages.
