@@ -34,8 +34,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from tnlg.data.finetune import Rows, data_files, load_rows, validation_rows
 from tnlg.eval.harness import HARNESS, harness_results, require_lm_eval, run_lm_eval, task_manager
 from tnlg.eval.suite import (
@@ -54,15 +52,13 @@ from tnlg.eval.suite import (
     text_tokens,
 )
 from tnlg.eval.tasks import EvaluationRows, evaluation_rows
-from tnlg.inference.distributed import sharded_precision
+from tnlg.inference.distributed import DTYPES, sharding_from_flags
 from tnlg.inference.ranks import rank_and_world
 from tnlg.run.cli import configure_logging, exit_on_input_error
 from tnlg.run.finetune_config import FinetuneConfig, load_finetune_config
-from tnlg.sharding.deepspeed import zero_config_from
+from tnlg.sharding import ZeroConfig
 
 logger = logging.getLogger("evaluate")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def task_measurement(config: FinetuneConfig, split: str | None, max_examples: int | None) -> dict:
@@ -165,15 +161,20 @@ def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[st
     check_result_names(parser, args)
     if args.harness:
         check_harness_arguments(parser, args)
-    if args.zero_config and args.dtype:
-        try:  # the rule load_sharded_model applies, named by the flags and before anything loads
-            sharded_precision(
-                zero_config_from(args.zero_config), DTYPES[args.dtype], f"--dtype {args.dtype}",
-                f"--zero-config {args.zero_config}",
-            )  # fmt: skip
-        except ValueError as error:
-            parser.error(str(error))
+    try:  # settled once, named by the flags and before anything loads
+        args.sharding = sharding_asked(args)
+    except ValueError as error:
+        parser.error(str(error))
     return args, overrides
+
+
+def sharding_asked(args: argparse.Namespace) -> ZeroConfig | None:
+    """The ZeroConfig the model is sharded under (`sharding_from_flags`; stage 3 unless the flags say
+    otherwise), or None for the whole model in one process: sharded when --zero-stage or --zero-config
+    asks, or when launched on several processes."""
+    if args.zero_stage is None and not args.zero_config and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    return sharding_from_flags(args.zero_config, args.zero_stage, args.dtype, default_stage=3)
 
 
 def refuse_flags_without(
@@ -372,8 +373,9 @@ def main(argv: list[str] | None = None) -> dict:
     planned = planned_measurements(args, config, tasks)
     refuse_other_measurements(target, planned)
     inputs = read_inputs(args, config)
-    dtype = DTYPES[args.dtype] if args.dtype else None  # None: float32, or the --zero-config's precision
-    model, tokenizer = load_for_evaluation(args.model, args.zero_stage, dtype, args.zero_config)
+    model, tokenizer = load_for_evaluation(
+        args.model, args.sharding, DTYPES[args.dtype] if args.dtype else None
+    )
     results = evaluate_inputs(args, config, inputs, model, tokenizer, planned)
     if manager is not None:
         results |= harness_evaluation(args, model, tokenizer, manager, tasks)

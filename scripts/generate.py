@@ -20,18 +20,16 @@ import torch
 import torch.distributed as dist
 
 from tnlg.inference.distributed import (
+    DTYPES,
     generate_on_ranks,
     init_process_group_from_environment,
     load_sharded_model,
-    sharded_precision,
+    sharding_from_flags,
 )
 from tnlg.inference.generation import generate_texts, load_model_and_tokenizer
 from tnlg.inference.settings import GenerationSettings
 from tnlg.run.cli import exit_on_input_error
 from tnlg.sharding import ZeroConfig
-from tnlg.sharding.deepspeed import zero_config_from
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,15 +92,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 
 def sharded_settings(args: argparse.Namespace) -> tuple[ZeroConfig, torch.dtype | None]:
-    """The ZeroConfig for a sharded model (--zero-config, its stage replaced by --zero-stage) and the
-    --dtype to load it in (None: the config's mixed precision), settled by `sharded_precision` here,
-    before any process group, so that a conflict is named by its flags."""
-    config = zero_config_from(args.zero_config)
-    if args.zero_stage is not None:
-        config = config.replace(stage=args.zero_stage)
-    dtype = None if args.dtype is None else DTYPES[args.dtype]
-    sharded_precision(config, dtype, f"--dtype {args.dtype}", f"--zero-config {args.zero_config}")
-    return config, dtype
+    """The ZeroConfig for a sharded model, settled once by `sharding_from_flags` before any process
+    group (a conflict is named by its flags; its precision is the compute dtype), and the --dtype for a
+    whole one (None: float32)."""
+    config = sharding_from_flags(args.zero_config, args.zero_stage, args.dtype, default_stage=0)
+    return config, None if args.dtype is None else DTYPES[args.dtype]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -129,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if distributed or args.zero_stage is not None or args.zero_config:
         engine, tokenizer = load_sharded_model(
-            args.model, config, tokenizer=args.tokenizer, dtype=dtype, device=args.device
+            args.model, config, tokenizer=args.tokenizer, device=args.device
         )
         completions = generate_on_ranks(engine, tokenizer, prompts, settings, args.batch_size)
     else:

@@ -61,8 +61,8 @@ def test_the_zero_configs_precision_is_kept_without_a_dtype(tmp_path, monkeypatc
     class Loaded(Exception):
         pass
 
-    def load(model_dir, zero_stage, dtype, zero_config):
-        raise Loaded(dtype)
+    def load(model_dir, sharding, dtype):
+        raise Loaded(sharding.stage, sharding.mixed_precision, dtype)
 
     monkeypatch.setattr(script, "load_for_evaluation", load)
     (tmp_path / "a.txt").write_text("some text to score")
@@ -76,7 +76,7 @@ def test_the_zero_configs_precision_is_kept_without_a_dtype(tmp_path, monkeypatc
     ]
     with pytest.raises(Loaded) as loaded:
         main(argv)
-    assert loaded.value.args == (None,)
+    assert loaded.value.args == (3, "bf16", None)  # the config's stage and precision, settled once
 
 
 def test_two_perplexity_files_of_one_name_are_refused(tmp_path, capsys):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from transformers import GenerationConfig
 
 from scripts.generate import parse_args
@@ -52,16 +51,17 @@ def test_the_run_config_check_refuses_sampling_settings_without_do_sample():
         check_generation(GenerationSettings(top_p=0.9), "evaluation.generation")
 
 
-def _sharded_dtype(monkeypatch, tmp_path, mixed_precision: str | None, *flags: str):
-    """The dtype and mixed precision scripts/generate.py loads a sharded model with, given a DeepSpeed
-    JSON enabling `mixed_precision` (None: no --zero-config) and `flags`; nothing is loaded."""
+def _sharded_precision(monkeypatch, tmp_path, mixed_precision: str | None, *flags: str) -> str:
+    """The mixed precision scripts/generate.py loads a sharded model in, given a DeepSpeed JSON enabling
+    `mixed_precision` (None: no --zero-config) and `flags`; nothing is loaded. The script hands
+    load_sharded_model a settled ZeroConfig, and no dtype to settle it with again."""
     import scripts.generate as script
-    from tnlg.sharding.deepspeed import zero_config_from
 
     seen = {}
 
     def load(model, config, *, tokenizer=None, dtype=None, device=None):
-        seen["dtype"], seen["mixed_precision"] = dtype, zero_config_from(config).mixed_precision
+        assert dtype is None, "the precision is settled in the script, once"
+        seen["mixed_precision"] = config.mixed_precision
         return object(), byte_level_tokenizer()
 
     monkeypatch.setattr(script, "load_sharded_model", load)
@@ -74,14 +74,15 @@ def _sharded_dtype(monkeypatch, tmp_path, mixed_precision: str | None, *flags: s
         path.write_text(json.dumps(deepspeed))
         arguments += ["--zero-config", str(path)]
     exit_on_input_error(script.main)(arguments)
-    return seen["dtype"], seen["mixed_precision"]
+    return seen["mixed_precision"]
 
 
 def test_the_zero_configs_precision_holds_unless_dtype_is_given(monkeypatch, tmp_path):
-    assert _sharded_dtype(monkeypatch, tmp_path, "bf16") == (None, "bf16")
-    assert _sharded_dtype(monkeypatch, tmp_path, "bf16", "--dtype", "bfloat16") == (torch.bfloat16, "bf16")
-    assert _sharded_dtype(monkeypatch, tmp_path, None, "--dtype", "float16") == (torch.float16, "no")
-    assert _sharded_dtype(monkeypatch, tmp_path, None) == (None, "no")
+    assert _sharded_precision(monkeypatch, tmp_path, "bf16") == "bf16"
+    assert _sharded_precision(monkeypatch, tmp_path, "bf16", "--dtype", "bfloat16") == "bf16"
+    assert _sharded_precision(monkeypatch, tmp_path, None, "--dtype", "float16") == "fp16"
+    assert _sharded_precision(monkeypatch, tmp_path, None, "--dtype", "float32") == "no"
+    assert _sharded_precision(monkeypatch, tmp_path, None) == "no"
 
 
 @pytest.mark.parametrize(("dtype", "enabled"), [("float32", "bf16"), ("bfloat16", "fp16")])
@@ -89,7 +90,7 @@ def test_a_dtype_that_disagrees_with_the_zero_config_is_refused(
     monkeypatch, tmp_path, capsys, dtype, enabled
 ):
     with pytest.raises(SystemExit) as exit_info:
-        _sharded_dtype(monkeypatch, tmp_path, enabled, "--dtype", dtype)
+        _sharded_precision(monkeypatch, tmp_path, enabled, "--dtype", dtype)
     error = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(error) == 1
     assert f"--dtype {dtype}" in error[0] and "deepspeed.json" in error[0] and enabled in error[0]

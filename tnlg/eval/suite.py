@@ -38,33 +38,32 @@ from tnlg.data.tasks import TaskFormat
 from tnlg.eval.lambada import check_last_word_fits, encode_passage, encoded_last_word_scores, split_last_word
 from tnlg.eval.perplexity import perplexity
 from tnlg.eval.tasks import EvaluationRows, evaluation_rows, task_metrics
-from tnlg.inference.distributed import init_process_group_from_environment, load_sharded_model
+from tnlg.inference.distributed import (
+    init_process_group_from_environment,
+    load_sharded_model,
+    sharded_precision,
+)
 from tnlg.inference.generation import load_model_and_tokenizer
 from tnlg.inference.ranks import rank_and_world
 from tnlg.inference.settings import GenerationSettings
 from tnlg.sharding import ZeroConfig
-from tnlg.sharding.deepspeed import zero_config_from
 
 RESULTS_FILE = "eval_results.json"
 DATA_SUFFIXES = tuple(sorted(BUILDERS))  # the files read as rows of a text column, not as text
 
 
 def load_for_evaluation(
-    model_dir: str | Path,
-    zero_stage: int | None = None,
-    dtype: torch.dtype | None = None,
-    zero_config: str | Path | None = None,
+    model_dir: str | Path, sharding: ZeroConfig | None = None, dtype: torch.dtype | None = None
 ) -> tuple[torch.nn.Module, Any]:
-    """The checkpoint whole in this process, or sharded across the launched ranks by the ZeRO engine
-    (`zero_config`, a ZeroConfig or DeepSpeed JSON, with `zero_stage` overriding its stage; stage 3
-    when several processes are launched and neither says otherwise). `dtype`: None computes in float32,
-    or sharded in the mixed precision the config enables (`sharded_precision`)."""
+    """The checkpoint sharded across the launched ranks by the ZeRO engine under `sharding`, a settled
+    ZeroConfig whose mixed precision is the compute dtype (`sharding_from_flags`), else whole in this
+    process in `dtype` (None: float32). Launched on several processes without a `sharding`, the model
+    is sharded at stage 3 in `dtype`'s precision."""
     distributed = init_process_group_from_environment()
-    if distributed or zero_stage is not None or zero_config is not None:
-        config = zero_config_from(zero_config) if zero_config is not None else ZeroConfig(stage=3)
-        if zero_stage is not None:
-            config = config.replace(stage=zero_stage)
-        return load_sharded_model(model_dir, config, dtype=dtype)
+    if sharding is None and distributed:
+        sharding = sharded_precision(ZeroConfig(stage=3), dtype)
+    if sharding is not None:
+        return load_sharded_model(model_dir, sharding)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return load_model_and_tokenizer(model_dir, dtype or torch.float32, device)
 

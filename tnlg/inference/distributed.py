@@ -55,6 +55,7 @@ from tnlg.sharding.deepspeed import zero_config_from
 logger = logging.getLogger(__name__)
 
 MIXED_PRECISION = {torch.float32: "no", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the scripts' --dtype
 
 
 def init_process_group_from_environment() -> bool:
@@ -122,6 +123,20 @@ def sharded_precision(
             "leave the dtype out to compute in it, or make them agree"
         )
     return config.replace(mixed_precision=wanted)
+
+
+def sharding_from_flags(
+    zero_config: str | None, zero_stage: int | None, dtype: str | None, *, default_stage: int
+) -> ZeroConfig:
+    """The ZeroConfig a script's --zero-config, --zero-stage and --dtype (a `DTYPES` name) ask for, settled
+    once, before any process group or model: the --zero-config (else stage `default_stage`), its stage
+    replaced by --zero-stage, its mixed precision settled with --dtype by `sharded_precision`, so the
+    result's precision is the compute dtype. A conflict is a ValueError naming the flags."""
+    config = zero_config_from(zero_config) if zero_config else ZeroConfig(stage=default_stage)
+    if zero_stage is not None:
+        config = config.replace(stage=zero_stage)
+    given = None if dtype is None else DTYPES[dtype]
+    return sharded_precision(config, given, f"--dtype {dtype}", f"--zero-config {zero_config}")
 
 
 @torch.inference_mode()
