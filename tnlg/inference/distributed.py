@@ -55,7 +55,8 @@ from tnlg.sharding.deepspeed import zero_config_from
 logger = logging.getLogger(__name__)
 
 MIXED_PRECISION = {torch.float32: "no", torch.bfloat16: "bf16", torch.float16: "fp16"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the scripts' --dtype
+# The scripts' --dtype names.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def init_process_group_from_environment() -> bool:
