@@ -48,7 +48,6 @@ import contextlib
 import dataclasses
 import inspect
 import logging
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -57,9 +56,20 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DynamoBackend, GradScalerKwargs, TorchDynamoPlugin, parse_choice_from_env
+from accelerate.utils import TorchDynamoPlugin
 from torch import nn
 
+from tnlg.launch_settings import (
+    accelerate_parallelism_hidden,
+    compile_config_for,
+    given_accumulation,
+    launch_mixed_precision,
+    parallel_dims_for,
+    refuse_another_state_precision,
+    settings_from_environment,
+    with_grad_scaler_kwargs,
+    zero_config_from_environment,
+)
 from tnlg.sharding import CompileConfig, DeepSpeedConfig, ParallelDims, ZeroConfig, ZeroEngine, initialize
 from tnlg.sharding.checkpoint import engine_directory, read_on_every_rank
 from tnlg.sharding.deepspeed import engine_settings
@@ -74,136 +84,9 @@ from tnlg.state_files import (
     write_scheduler_states,
 )
 
+__all__ = ["AcceleratedEngineOptimizer", "EngineOptimizer", "ZeroAccelerator", "zero_config_from_environment"]
+
 logger = logging.getLogger(__name__)
-
-ENV_CONFIG, ENV_STAGE = "TNLG_ZERO_CONFIG", "TNLG_ZERO_STAGE"
-
-
-def zero_config_from_environment(mixed_precision: str | None = None) -> ZeroConfig | None:
-    """The ZeroConfig a launch selected through `TNLG_ZERO_*` variables, or None."""
-    settings = settings_from_environment({"mixed_precision": mixed_precision} if mixed_precision else {})
-    return settings.zero if settings is not None else None
-
-
-def settings_from_environment(auto: dict[str, Any]) -> DeepSpeedConfig | None:
-    """The engine settings a launch selected through `TNLG_ZERO_*` variables (with a JSON's training
-    part), or None; `auto` fills a DeepSpeed JSON's "auto" values."""
-    path = os.environ.get(ENV_CONFIG)
-    if path:
-        return engine_settings(path, **auto)
-    mixed_precision = auto.get("mixed_precision")
-    stage = os.environ.get(ENV_STAGE)
-    if stage is None or stage.lower() in ("", "none"):
-        return None
-    fields: dict[str, Any] = {"stage": _parse_int(ENV_STAGE, stage)}
-    if "TNLG_ZERO_GRADIENT_CLIPPING" in os.environ:
-        fields["gradient_clipping"] = float(os.environ["TNLG_ZERO_GRADIENT_CLIPPING"])
-    if "TNLG_ZERO_OVERLAP_COMM" in os.environ:
-        fields["overlap_comm"] = os.environ["TNLG_ZERO_OVERLAP_COMM"].lower() in ("1", "true", "yes")
-    for name in ("offload_optimizer", "offload_param"):
-        value = os.environ.get(f"TNLG_ZERO_{name.upper()}")
-        if value:
-            fields[name] = value.lower()
-    if mixed_precision:
-        fields["mixed_precision"] = mixed_precision
-    return DeepSpeedConfig(ZeroConfig(**fields), source=ENV_STAGE)
-
-
-def _parse_int(name: str, value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r} is not an integer") from None
-
-
-def _given_accumulation(given: Mapping[str, Any]) -> int | None:
-    """The accumulation steps the Accelerator was given (as it reads them), or None if none were."""
-    plugin = given.get("gradient_accumulation_plugin")
-    if plugin is not None:
-        return plugin.num_steps
-    if os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"):  # `accelerate launch`; beats the argument
-        return _parse_int(
-            "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"]
-        )
-    return given.get("gradient_accumulation_steps")
-
-
-def _launch_mixed_precision(given: Mapping[str, Any]) -> tuple[str, str]:
-    """The mixed precision Accelerate itself will run at (the keyword, else `ACCELERATE_MIXED_PRECISION`,
-    which `accelerate launch --mixed_precision` and `accelerate config` set), and how to name it in errors.
-    Read before the engine settings are made, so that the launcher's value fills and checks them."""
-    keyword = given.get("mixed_precision")
-    if keyword is not None:
-        value = keyword.lower()
-        return value, f"the Accelerator's mixed_precision={value!r}"
-    value = parse_choice_from_env("ACCELERATE_MIXED_PRECISION", "no").lower()
-    return (
-        value,
-        f"ACCELERATE_MIXED_PRECISION={value} (accelerate launch --mixed_precision / accelerate config)",
-    )
-
-
-def _refuse_another_state_precision(running: Any, resolved: str) -> None:
-    """Accelerate's shared state, made by an earlier Accelerator, keeps that one's mixed precision: the
-    engine was set up for `resolved`, so a different one would autocast around an engine of another dtype."""
-    running = str(getattr(running, "value", running)).lower()
-    if running != resolved:
-        raise ValueError(
-            f"Accelerate's state already runs at mixed_precision={running!r} (an earlier Accelerator set it) but "
-            f"this ZeroAccelerator was set up for {resolved!r}: pass mixed_precision={running!r} or reset "
-            "Accelerate's state first"
-        )
-
-
-# The loss-scale fields a GradScalerKwargs handler sets, as ZeroConfig fields and the DeepSpeed keys for them.
-_SCALER_FIELDS = {"init_scale": "initial_loss_scale", "growth_interval": "loss_scale_window"}
-_SCALER_FIXED = {"growth_factor": 2.0, "backoff_factor": 0.5, "enabled": True}
-_LOSS_SCALE_KEYS = (
-    "ZeroConfig initial_loss_scale / loss_scale_window (DeepSpeed JSON fp16.initial_scale_power / "
-    "fp16.loss_scale_window)"
-)
-
-
-def _with_grad_scaler_kwargs(settings: DeepSpeedConfig, given: Mapping[str, Any]) -> DeepSpeedConfig:
-    """`settings` with a `GradScalerKwargs` handler applied to the engine's fp16 loss scaler, which plays
-    the GradScaler's part: init_scale is its initial scale, growth_interval its window. Its scaler doubles
-    and halves, so another growth / backoff factor (or enabled=False) is refused; so is a value that
-    differs from a loss-scale setting the config states itself."""
-    handler = next((h for h in given.get("kwargs_handlers") or () if isinstance(h, GradScalerKwargs)), None)
-    if handler is None or settings.zero.mixed_precision != "fp16":
-        return settings  # Accelerate applies the handler only to an fp16 GradScaler too
-    changed = handler.to_kwargs()  # the values that differ from the handler's defaults
-    fixed = {name: changed[name] for name in _SCALER_FIXED if name in changed}
-    if fixed:
-        shown = ", ".join(f"{name}={value}" for name, value in fixed.items())
-        raise ValueError(
-            f"GradScalerKwargs({shown}): the ZeRO engine's fp16 loss scaler doubles and halves its scale and "
-            f"cannot be disabled under fp16; set {_LOSS_SCALE_KEYS}, hysteresis and min_loss_scale instead"
-        )
-    changes = {_SCALER_FIELDS[name]: value for name, value in changed.items() if name in _SCALER_FIELDS}
-    if not changes:
-        return settings
-    if settings.zero.static_loss_scale is not None:
-        raise ValueError(
-            f"GradScalerKwargs asks for a dynamic loss scale but {settings.source} sets a static one "
-            f"({settings.zero.static_loss_scale}): keep one of them"
-        )
-    for field, value in changes.items():
-        current = getattr(settings.zero, field)
-        if _states_field(settings, field) and current != value:
-            raise ValueError(
-                f"GradScalerKwargs sets {field} {value} but {settings.source} sets {current}: give the loss "
-                f"scale in one place ({_LOSS_SCALE_KEYS})"
-            )
-    return dataclasses.replace(settings, zero=settings.zero.replace(**changes))
-
-
-def _states_field(settings: DeepSpeedConfig, field: str) -> bool:
-    """Whether the config states `field` itself: a JSON key set it, or a ZeroConfig holds a non-default."""
-    if field in settings.zero_sources:
-        return True
-    default = next(f.default for f in dataclasses.fields(ZeroConfig) if f.name == field)
-    return getattr(settings.zero, field) != default
 
 
 class EngineOptimizer(torch.optim.Optimizer):
@@ -260,66 +143,6 @@ class AcceleratedEngineOptimizer(AcceleratedOptimizer):
         return self.optimizer.step_was_skipped
 
 
-@contextlib.contextmanager
-def _accelerate_parallelism_hidden(hide: bool):
-    """Accelerate's own reading of its launcher's parallelism environment switched off (the engine took it)."""
-    name = "ACCELERATE_USE_PARALLELISM_CONFIG"
-    saved = os.environ.get(name)
-    if hide and saved is not None:
-        os.environ[name] = "false"
-    try:
-        yield
-    finally:
-        if hide and saved is not None:
-            os.environ[name] = saved
-
-
-def parallel_dims_for(parallel: ParallelDims | None, config: Any) -> ParallelDims | None:
-    """The engine's layout from `parallel=` or Accelerate's `ParallelismConfig` (also the one its launcher's
-    `--use_parallelism_config` environment describes); None for plain data parallelism. Both given, or a
-    context / sequence parallel degree (which the engine does not apply), is a ValueError. Pipeline stages
-    come from `parallel=` only: Accelerate's ParallelismConfig has no pipeline dimension (1.15)."""
-    if config is None and os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
-        from accelerate.parallelism_config import ParallelismConfig
-
-        config = ParallelismConfig()
-    if config is None:
-        return parallel
-    if parallel is not None:
-        raise ValueError("give parallel= or Accelerate's parallelism_config, not both")
-    unsupported = {name: getattr(config, name, 1) for name in ("cp_size", "sp_size")}
-    unsupported = {name: size for name, size in unsupported.items() if size != 1}
-    if unsupported:
-        raise ValueError(
-            f"ParallelismConfig {unsupported}: the ZeRO engine applies tensor slicing and data parallelism "
-            "(tp_size, dp_shard_size, dp_replicate_size), not context or sequence parallelism"
-        )
-    data = config.dp_replicate_size * config.dp_shard_size
-    # ZeRO shards over every data-parallel rank: replicate x shard is one data dimension here. All ones
-    # (Accelerate's default) leaves the data degree to the world size.
-    return ParallelDims(tensor=config.tp_size, data=data if data > 1 else None)
-
-
-def compile_config_for(given: CompileConfig | None, plugin: TorchDynamoPlugin) -> CompileConfig | None:
-    """The engine's `CompileConfig`: the one `given`, else Accelerate's dynamo settings turned into one
-    (None when its backend is "no" or the plugin is disabled); both is an error, since neither would be
-    the one setting. Mode and options go through as given (CompileConfig refuses both at once)."""
-    if plugin.backend == DynamoBackend.NO or getattr(plugin, "disable", False):
-        return given
-    if given is not None:
-        raise ValueError(
-            f"compile_config and Accelerate's dynamo_backend={plugin.backend.value.lower()!r} both ask for "
-            "torch.compile: give one (launch with --dynamo_backend no to keep compile_config's)"
-        )
-    return CompileConfig(
-        backend=plugin.backend.value.lower(),
-        mode=plugin.mode if plugin.mode not in (None, "default") else None,
-        fullgraph=bool(plugin.fullgraph),
-        dynamic=plugin.dynamic,
-        options=dict(plugin.options or {}),
-    )
-
-
 def _log_fused_kernels_under_compile(model: nn.Module) -> None:
     """Say once that a TNLG model's fused Triton kernels give way to inductor inside compiled blocks."""
     choice = getattr(getattr(model, "config", None), "fused_kernels", "none")
@@ -343,8 +166,8 @@ class ZeroAccelerator(Accelerator):
         **kwargs: Any,
     ):
         given = inspect.signature(Accelerator.__init__).bind_partial(None, *args, **kwargs).arguments
-        mixed_precision, named = _launch_mixed_precision(given)
-        accumulation = _given_accumulation(given)
+        mixed_precision, named = launch_mixed_precision(given)
+        accumulation = given_accumulation(given)
         auto = {"mixed_precision": mixed_precision} if mixed_precision else {}
         if accumulation is not None:
             auto["gradient_accumulation_steps"] = accumulation
@@ -353,7 +176,7 @@ class ZeroAccelerator(Accelerator):
         )
         # The engine settings (with a DeepSpeed JSON's training part) and their ZeroConfig.
         self.zero_settings = (
-            _with_grad_scaler_kwargs(settings.with_mixed_precision(mixed_precision, named), given)
+            with_grad_scaler_kwargs(settings.with_mixed_precision(mixed_precision, named), given)
             if settings is not None
             else None
         )
@@ -367,10 +190,10 @@ class ZeroAccelerator(Accelerator):
             self.parallel_dims = parallel_dims_for(parallel, kwargs.pop("parallelism_config", None))
         elif parallel is not None:
             raise ValueError("parallel= needs the ZeRO engine on (zero_config or TNLG_ZERO_* settings)")
-        with _accelerate_parallelism_hidden(self.parallel_dims is not None):
+        with accelerate_parallelism_hidden(self.parallel_dims is not None):
             super().__init__(*args, **kwargs)
         if self.zero_config is not None:
-            _refuse_another_state_precision(self.mixed_precision, mixed_precision)
+            refuse_another_state_precision(self.mixed_precision, mixed_precision)
         self.parallel_groups = None
         if self.parallel_dims is not None:
             # The (pipeline, data, tensor) grid, under Accelerate's mesh names: its data loaders then give a

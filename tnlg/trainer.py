@@ -41,7 +41,8 @@ from typing import Any
 
 from transformers import Trainer, TrainingArguments
 
-from tnlg.accelerate import ZeroAccelerator, settings_from_environment
+from tnlg.accelerate import ZeroAccelerator
+from tnlg.launch_settings import settings_from_environment
 from tnlg.sharding import DeepSpeedConfig, ZeroConfig, ZeroEngine
 from tnlg.sharding.checkpoint import engine_directory
 from tnlg.sharding.deepspeed import TrainingConfig, engine_settings

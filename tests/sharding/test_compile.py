@@ -20,7 +20,7 @@ from tests.support.compile_cases import (
     vocab_parallel_loss,
 )
 from tests.support.tensor_parallel_cases import make_model as make_tnlg
-from tnlg.accelerate import compile_config_for
+from tnlg.launch_settings import compile_config_for
 from tnlg.modeling import fused_ops
 from tnlg.run.activations import enable_activation_checkpointing
 from tnlg.sharding import CompileConfig, ZeroConfig
