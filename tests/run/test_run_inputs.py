@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.support import REPO
-from tnlg.run.config import load_run_config
+from tnlg.run.config import RUN_DEFAULT_STAGE, load_run_config
 from tnlg.run.finetune_config import load_finetune_config
 from tnlg.tools.spawn import run_distributed
 
@@ -250,6 +250,26 @@ def test_a_deepspeed_json_fills_what_the_run_leaves_unset(tmp_path):
     zero = config.zero.to_zero_config("no")
     # the file's stage and bucket, the run config's clipping (debug.yaml), nothing silently dropped
     assert (zero.stage, zero.reduce_bucket_size, zero.gradient_clipping) == (3, 500_000, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("json_config", "overrides", "stage"),
+    [
+        ({"gradient_clipping": 1.0}, [], RUN_DEFAULT_STAGE),
+        ({"zero_optimization": {"overlap_comm": True}}, [], RUN_DEFAULT_STAGE),
+        ({"zero_optimization": {"stage": 0}}, [], 0),
+        ({"zero_optimization": {"overlap_comm": True}}, ["--zero.stage", "1"], 1),
+    ],
+    ids=["no-zero-section", "no-stage-key", "json-stage-0", "run-stage-1"],
+)
+def test_a_run_takes_its_default_stage_when_neither_it_nor_the_json_names_one(
+    tmp_path, json_config, overrides, stage
+):
+    # RUN_DEFAULT_STAGE, not DeepSpeed's own 0 (which shards nothing), unless one of them names a stage
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(json_config))
+    config = load_run_config(None, ["--zero.deepspeed", str(path), *overrides])  # a config naming no stage
+    assert config.zero.to_zero_config("no").stage == stage
 
 
 @pytest.mark.parametrize(("section", "expected"), [({}, "bf16"), ({"bf16": {"enabled": True}}, "bf16")])
