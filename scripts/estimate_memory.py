@@ -181,7 +181,7 @@ def study_from_run_config(path: str, optimizer: str) -> Study:
     model = architecture(section)
     zero = run.zero.to_zero_config(run.train.mixed_precision)
     options = {
-        "mixed_precision": run.train.mixed_precision,
+        "mixed_precision": zero.mixed_precision,  # train's, or the zero.deepspeed JSON's when train says "no"
         "optimizer": optimizer,
         "micro_batch_size": run.train.micro_batch_size,
         "seq_len": run.data.seq_len,

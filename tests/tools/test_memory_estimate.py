@@ -311,6 +311,25 @@ def test_script_takes_a_run_configs_settings(capsys, tmp_path):
         assert activations(checkpointing) == pytest.approx(expected / GB, abs=0.005)
 
 
+def test_script_estimates_at_the_precision_a_runs_deepspeed_json_enables(capsys, tmp_path):
+    # train.mixed_precision "no" takes the JSON's bf16 (as the run does): estimated as a bf16 run, not fp32
+    from scripts.estimate_memory import main
+
+    (tmp_path / "ds.json").write_text('{"bf16": {"enabled": true}}')
+    runs = {
+        "json": "zero: {stage: 3, deepspeed: "
+        + str(tmp_path / "ds.json")
+        + "}\ntrain: {mixed_precision: 'no'}\n",
+        "train": "zero: {stage: 3}\ntrain: {mixed_precision: bf16}\n",
+    }
+    tables = {}
+    for name, settings in runs.items():
+        (tmp_path / f"{name}.yaml").write_text("model: {preset: tnlg-1.3b}\n" + settings)
+        main(["--config", str(tmp_path / f"{name}.yaml"), "--world-sizes", "8"])
+        tables[name] = [line for line in capsys.readouterr().out.splitlines() if str(tmp_path) not in line]
+    assert tables["json"] == tables["train"] and any("bf16" in line for line in tables["json"])
+
+
 def test_script_refuses_settings_a_run_config_decides(capsys):
     from scripts.estimate_memory import main
 
