@@ -66,6 +66,7 @@ from tnlg.launch_settings import (
     launch_mixed_precision,
     parallel_dims_for,
     refuse_another_state_precision,
+    refuse_environment_beside,
     settings_from_environment,
     with_grad_scaler_kwargs,
     zero_config_from_environment,
@@ -171,6 +172,9 @@ class ZeroAccelerator(Accelerator):
         auto = {"mixed_precision": mixed_precision} if mixed_precision else {}
         if accumulation is not None:
             auto["gradient_accumulation_steps"] = accumulation
+        if zero_config is not None and not isinstance(zero_config, DeepSpeedConfig):
+            # settled DeepSpeedConfigs come from the front doors (a run, ZeroTrainer), which check this themselves
+            refuse_environment_beside("ZeroAccelerator(zero_config=...)")
         settings = (
             settings_from_environment(auto) if zero_config is None else engine_settings(zero_config, **auto)
         )

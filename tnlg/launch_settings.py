@@ -26,6 +26,27 @@ def zero_config_from_environment(mixed_precision: str | None = None) -> ZeroConf
     return settings.zero if settings is not None else None
 
 
+def environment_selection() -> str | None:
+    """`NAME=value` of the `TNLG_ZERO_*` variable that selects the engine for a launch, or None."""
+    path, stage = os.environ.get(ENV_CONFIG), os.environ.get(ENV_STAGE)
+    if path:
+        return f"{ENV_CONFIG}={path}"
+    if stage is not None and stage.lower() not in ("", "none"):
+        return f"{ENV_STAGE}={stage}"
+    return None
+
+
+def refuse_environment_beside(given: str) -> None:
+    """ValueError when a `TNLG_ZERO_*` variable selects the engine's settings while `given` (how the
+    caller names its own settings) states them too: the variable would be silently ignored."""
+    selected = environment_selection()
+    if selected is not None:
+        raise ValueError(
+            f"{selected} selects the ZeRO engine's settings, but {given} states them too and the variable would "
+            f"be ignored: unset {selected.split('=', 1)[0]}, or leave the settings to it"
+        )
+
+
 def settings_from_environment(auto: dict[str, Any]) -> DeepSpeedConfig | None:
     """The engine settings a launch selected through `TNLG_ZERO_*` variables (with a JSON's training
     part), or None; `auto` fills a DeepSpeed JSON's "auto" values."""

@@ -42,7 +42,7 @@ from typing import Any
 from transformers import Trainer, TrainingArguments
 
 from tnlg.accelerate import ZeroAccelerator
-from tnlg.launch_settings import settings_from_environment
+from tnlg.launch_settings import refuse_environment_beside, settings_from_environment
 from tnlg.sharding import DeepSpeedConfig, ZeroConfig, ZeroEngine
 from tnlg.sharding.checkpoint import engine_directory
 from tnlg.sharding.deepspeed import TrainingConfig, engine_settings
@@ -185,6 +185,8 @@ class ZeroTrainer(Trainer):
         if mixed_precision:
             auto["mixed_precision"] = mixed_precision
         argument = self._zero_config_argument
+        if argument is not None:
+            refuse_environment_beside("ZeroTrainer(zero_config=...)")
         settings = settings_from_environment(auto) if argument is None else engine_settings(argument, **auto)
         if settings is None:
             return None

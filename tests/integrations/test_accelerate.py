@@ -8,6 +8,7 @@ import torch
 from tests.support.accelerate_cases import accelerate_loop
 from tnlg import TNLGForCausalLM
 from tnlg.accelerate import ZeroAccelerator, zero_config_from_environment
+from tnlg.sharding import ZeroConfig
 from tnlg.tools.spawn import run_distributed
 
 
@@ -71,6 +72,17 @@ def test_environment_selects_the_engine(monkeypatch, tmp_path):
     monkeypatch.setenv("TNLG_ZERO_STAGE", "three")
     with pytest.raises(ValueError, match="TNLG_ZERO_STAGE"):
         zero_config_from_environment()
+
+
+@pytest.mark.parametrize(("variable", "value"), [("TNLG_ZERO_STAGE", "2"), ("TNLG_ZERO_CONFIG", "ds.json")])
+def test_a_zero_config_beside_the_environments_is_refused(monkeypatch, variable, value):
+    # the variable would be ignored: the zero_config argument decides when it is given
+    monkeypatch.delenv("TNLG_ZERO_CONFIG", raising=False)
+    monkeypatch.delenv("TNLG_ZERO_STAGE", raising=False)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=f"{variable}={value} selects the ZeRO engine's settings, but "
+                       r"ZeroAccelerator\(zero_config=...\) states them too"):  # fmt: skip
+        ZeroAccelerator(zero_config=ZeroConfig(stage=1), cpu=True)
 
 
 def test_without_a_zero_config_it_is_a_plain_accelerator(monkeypatch):

@@ -119,6 +119,11 @@ def _selection(rank: int, world_size: int, directory: str) -> dict:
     os.environ["TNLG_ZERO_STAGE"] = "2"
     trainer = make()
     found["environment"] = (type(trainer.accelerator).__name__, trainer.accelerator.zero_config.stage)
+    try:  # the argument beside the variable: one of them would be ignored
+        ZeroTrainer(model=debug_model(), args=TrainingArguments(output_dir=directory, use_cpu=True, report_to=[]),
+                    zero_config={"stage": 1})  # fmt: skip
+    except ValueError as error:
+        found["both"] = str(error)
     trainer.create_optimizer()
     trainer.model_wrapped, trainer.optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
     try:
@@ -136,11 +141,12 @@ def _selection(rank: int, world_size: int, directory: str) -> dict:
         trainer._load_optimizer_and_scheduler(str(old))
     except CheckpointError as error:
         found["old layout"] = str(error)
-    found["bf16"] = train(rank, world_size, 2, f"{directory}/bf16", bf16=True, save_final=False)
     try:
         make(fsdp="full_shard")
     except ValueError as error:
         found["fsdp"] = str(error)
+    del os.environ["TNLG_ZERO_STAGE"]  # train passes zero_config, which the variable must not contradict
+    found["bf16"] = train(rank, world_size, 2, f"{directory}/bf16", bf16=True, save_final=False)
     return found
 
 
@@ -149,6 +155,10 @@ def test_the_engine_is_selected_by_argument_or_environment_and_conflicts_are_nam
     found = run_distributed(_selection, 1, str(tmp_path), timeout=300)[0]
     assert found["none"] == "Accelerator"  # nothing asks for ZeRO: the plain Trainer
     assert found["environment"] == ("ZeroAccelerator", 2)
+    assert (
+        "TNLG_ZERO_STAGE=2 selects the ZeRO engine's settings, but ZeroTrainer(zero_config=...)"
+        in found["both"]
+    )
     assert "has no engine/ engine checkpoint" in found["no engine checkpoint"]
     assert "DeepSpeed" not in found["no engine checkpoint"]
     assert "it is a DeepSpeed checkpoint (a Trainer run with deepspeed=)" in found["deepspeed checkpoint"]

@@ -272,6 +272,19 @@ def test_a_run_takes_its_default_stage_when_neither_it_nor_the_json_names_one(
     assert config.zero.to_zero_config("no").stage == stage
 
 
+def test_a_launch_variable_selecting_the_engine_is_refused_by_a_run(monkeypatch, tmp_path):
+    # a run's engine is its config's zero section: TNLG_ZERO_CONFIG would be silently ignored
+    from tnlg.run.loop import TrainingJob, build_run
+
+    monkeypatch.setenv("TNLG_ZERO_CONFIG", str(REPO / "configs" / "deepspeed" / "zero3-bf16.json"))
+    config = load_run_config(DEBUG, ["--train.output_dir", str(tmp_path / "run")])
+    with pytest.raises(
+        ValueError, match=r"TNLG_ZERO_CONFIG=.*zero3-bf16\.json selects .* the run config.s zero"
+    ):
+        build_run(config, TrainingJob(name="pretrain", seq_len=8, tokenizer="byte-level", batches=iter(())))
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize(("section", "expected"), [({}, "bf16"), ({"bf16": {"enabled": True}}, "bf16")])
 def test_train_mixed_precision_fills_a_deepspeed_json_that_enables_none(tmp_path, section, expected):
     # The one rule of every front door (DeepSpeedConfig.with_mixed_precision), as ZeroAccelerator applies it.
