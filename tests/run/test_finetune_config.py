@@ -58,3 +58,11 @@ def test_fine_tuning_refuses_pipeline_stages_and_takes_tensor_slicing():
     ):
         load_finetune_config(None, ["--parallel.pipeline", "2"])
     assert load_finetune_config(None, ["--parallel.tensor", "2"]).parallel.tensor == 2
+
+
+def test_a_dataset_config_is_taken_for_a_datasets_dataset():
+    # refused only where nothing reads it (files by format, an embedded set): a hub dataset's is applied
+    config = load_finetune_config(
+        None, ["--data.dataset", "abisee/cnn_dailymail", "--data.dataset_config", "3.0.0"]
+    )
+    assert (config.data.dataset, config.data.dataset_config) == ("abisee/cnn_dailymail", "3.0.0")

@@ -31,6 +31,26 @@ from tnlg.run.finetune_config import load_finetune_config
         (["--data.paths", "[a.jsonl]", "--data.split", "test"], "data.split 'test' names a split"),
         (["--data.paths", "[a.jsonl]", "--data.dataset", "embedded:qa"], "is an embedded set, read instead"),
         (["--data.max_examples", "0"], "data.max_examples must be >= 1"),
+        (
+            [
+                "--data.dataset",
+                "embedded:qa",
+                "--data.validation_split",
+                "test",
+                "--data.validation_paths",
+                "[f.jsonl]",
+            ],
+            "data.validation_split 'test' and data.validation_paths are both given",
+        ),
+        (["--data.dataset_config", "3.0.0"], "the embedded set 'embedded:docstrings' has none"),
+        (
+            ["--data.paths", "[a.jsonl]", "--data.dataset_config", "x"],
+            "read by their format's builder have none",
+        ),
+        (
+            ["--data.dataset", "csv", "--data.paths", "[a.txt]", "--data.dataset_config", "x"],
+            "the csv builder have",
+        ),
     ],
 )
 def test_fine_tuning_mistakes_are_refused_when_read(overrides, message):

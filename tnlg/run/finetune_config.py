@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tnlg.data.finetune import BUILDERS, EMBEDDED_PREFIX
 from tnlg.data.tasks import TaskFormat
 from tnlg.inference.settings import GenerationSettings, setting_problems
 from tnlg.run.config import LoggingSection, TrainingConfig, TrainSection
@@ -21,6 +22,8 @@ from tnlg.run.config_reader import load_config, require
 # layer is tied to the embedding and left alone).
 DEFAULT_LORA_TARGETS = ("qkv_proj", "out_proj", "fc_in", "fc_out")
 EMBEDDED_DEFAULT = "embedded:docstrings"
+
+FILE_BUILDERS = frozenset(BUILDERS.values())  # the datasets builders that read data files by format
 
 
 @dataclass(kw_only=True)
@@ -78,6 +81,14 @@ class FinetuneDataSection:
                 self.validation_split = "validation"
         if self.paths:
             self._check_paths_alone()
+        if self.validation_split and self.validation_paths:
+            raise ValueError(
+                f"data.validation_split {self.validation_split!r} and data.validation_paths are both given, and "
+                "the files would be read in place of the split: give one of them (--data.validation_split null "
+                "to hold out the files instead of a config's split)"
+            )
+        if self.dataset_config is not None:
+            self._check_dataset_config()
         if self.on_long_example not in ("stop", "skip"):
             raise ValueError(f"data.on_long_example must be 'stop' or 'skip', got {self.on_long_example!r}")
         if self.max_examples is not None:
@@ -98,10 +109,26 @@ class FinetuneDataSection:
                 f"data.split {self.split!r} names a split of data.dataset; files in data.paths have none, so "
                 "all of them are read: remove data.split, or give that split's files as data.paths"
             )
-        if self.dataset is not None and self.dataset.startswith("embedded:"):
+        if self.dataset is not None and self.dataset.startswith(EMBEDDED_PREFIX):
             raise ValueError(
                 f"data.dataset {self.dataset!r} is an embedded set, read instead of data.paths: give one or the other"
             )
+
+    def _check_dataset_config(self) -> None:
+        """A `dataset_config` names a configuration of a `datasets` dataset (cnn_dailymail's "3.0.0");
+        files read by their format's builder and the embedded sets have none, so it would be ignored."""
+        if self.dataset is None:  # data.paths alone
+            reader = "data files read by their format's builder have"
+        elif self.dataset.startswith(EMBEDDED_PREFIX):
+            reader = f"the embedded set {self.dataset!r} has"
+        elif self.dataset in FILE_BUILDERS:
+            reader = f"data files read by the {self.dataset} builder have"
+        else:
+            return
+        raise ValueError(
+            f"data.dataset_config {self.dataset_config!r} names a configuration of a datasets dataset, and "
+            f"{reader} none: remove data.dataset_config"
+        )
 
 
 @dataclass(kw_only=True)
