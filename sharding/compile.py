@@ -82,6 +82,12 @@ class CompileConfig:
             )
         if self.mode is not None and self.mode not in COMPILE_MODES:
             raise ValueError(f"compile mode {self.mode!r} is not one of {', '.join(COMPILE_MODES)}")
+        if self.backend != "inductor" and (self.mode is not None or self.options):
+            # torch's other backends log "ignoring extra kwargs" and compile as if neither were given
+            raise ValueError(
+                f"compile mode and options are inductor's: backend {self.backend!r} ignores them; remove them, "
+                "or compile with backend 'inductor'"
+            )
         if self.mode is not None and self.options:
             raise ValueError("give compile mode or options, not both (torch.compile takes one of them)")
         if self.options:
@@ -90,7 +96,7 @@ class CompileConfig:
     @property
     def uses_cuda_graphs(self) -> bool:
         """Whether the compiled code replays CUDA graphs: Dynamo's `cudagraphs` backend, or inductor with
-        a mode or options that turn them on (the other backends ignore mode and options)."""
+        a mode or options that turn them on (only inductor takes mode and options)."""
         if self.backend == CUDA_GRAPHS_BACKEND:
             return True
         chosen = {**MODE_OPTIONS.get(self.mode or "default", {}), **self.options}

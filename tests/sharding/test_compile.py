@@ -244,6 +244,15 @@ def test_a_forward_set_on_a_block_is_not_compiled_over():
         ({"backend": "inductr"}, r"compile backend 'inductr' is not one torch knows: .*inductor"),
         ({"mode": "fast"}, r"compile mode 'fast' is not one of default, .*reduce-overhead"),
         ({"mode": "max-autotune", "options": {"a": 1}}, r"give compile mode or options, not both"),
+        # torch's other backends log "ignoring extra kwargs" and compile without them
+        (
+            {"backend": "aot_eager", "mode": "reduce-overhead"},
+            r"inductor's: backend 'aot_eager' ignores them",
+        ),
+        (
+            {"backend": "eager", "options": {"max_autotune": True}},
+            r"inductor's: backend 'eager' ignores them",
+        ),
         # torch.compile's own checks of the options, made when the setting is given, not at compile time
         (
             {"options": {"triton.cudagraph": True}},
@@ -279,7 +288,6 @@ def test_cuda_graphs_are_refused_where_parameters_move(fields, named):
     [
         {"mode": "max-autotune-no-cudagraphs"},
         {"options": {"triton.cudagraphs": False, "max_autotune": True}},
-        {"backend": "aot_eager", "mode": "reduce-overhead"},  # only inductor reads the mode and options
     ],
 )
 def test_compiling_without_cuda_graphs_is_taken_at_stage_3(fields):
