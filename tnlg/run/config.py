@@ -184,8 +184,9 @@ def require_weight(name: str, weight: float) -> None:
 @dataclass(kw_only=True)
 class DataSection:
     """`pretokenized` corpora when given (the fast path for GPU runs), else streamed `sources`;
-    neither means the embedded Python corpus. `tokenizer` "default" means a byte-level BPE trained
-    on the embedded corpus with the model's vocabulary size (cached)."""
+    neither means the embedded Python corpus. `tokenizer` "default" means `model.init_from`'s own
+    tokenizer when it has one, else a byte-level BPE trained on the embedded corpus with the model's
+    vocabulary size (cached; tnlg.run.build)."""
 
     pretokenized: list[PretokenizedSection] = field(default_factory=list)
     sources: list[SourceSection] = field(default_factory=list)
