@@ -78,6 +78,18 @@ def _parse_int(name: str, value: str) -> int:
         raise ValueError(f"{name}={value!r} is not an integer") from None
 
 
+def refuse_launch_accumulation_beside(steps: int, given: str) -> None:
+    """ValueError when `accelerate launch --gradient_accumulation_steps` (its environment variable, which
+    beats the Accelerator's argument) differs from `steps`, which `given` states: the Accelerator would
+    sync at one count while the caller feeds micro-batches at the other."""
+    launched = given_accumulation({"gradient_accumulation_steps": steps})
+    if launched != steps:
+        raise ValueError(
+            f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={launched} (accelerate launch --gradient_accumulation_steps) "
+            f"conflicts with {given} {steps}: make them agree, or launch without the flag"
+        )
+
+
 def given_accumulation(given: Mapping[str, Any]) -> int | None:
     """The accumulation steps the Accelerator was given (as it reads them), or None if none were."""
     plugin = given.get("gradient_accumulation_plugin")

@@ -285,6 +285,19 @@ def test_a_launch_variable_selecting_the_engine_is_refused_by_a_run(monkeypatch,
     assert not (tmp_path / "run").exists()
 
 
+def test_a_launchers_accumulation_other_than_the_runs_is_refused(monkeypatch, tmp_path):
+    # it beats the Accelerator's argument, so the Accelerator would sync at 4 while the loop feeds 1
+    from tnlg.run.loop import TrainingJob, build_run
+
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    config = load_run_config(DEBUG, ["--train.output_dir", str(tmp_path / "run")])
+    with pytest.raises(
+        ValueError, match=r"=4 \(accelerate launch .*\) conflicts with train.gradient_accumulation_steps 1"
+    ):
+        build_run(config, TrainingJob(name="pretrain", seq_len=8, tokenizer="byte-level", batches=iter(())))
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize(("section", "expected"), [({}, "bf16"), ({"bf16": {"enabled": True}}, "bf16")])
 def test_train_mixed_precision_fills_a_deepspeed_json_that_enables_none(tmp_path, section, expected):
     # The one rule of every front door (DeepSpeedConfig.with_mixed_precision), as ZeroAccelerator applies it.

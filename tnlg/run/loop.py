@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from tnlg.accelerate import ZeroAccelerator
-from tnlg.launch_settings import refuse_environment_beside
+from tnlg.launch_settings import refuse_environment_beside, refuse_launch_accumulation_beside
 from tnlg.modeling import TNLGConfig
 from tnlg.run.activations import (
     check_activation_offload,
@@ -106,6 +106,9 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
     batches, and (with `resume`) everything restored from a checkpoint."""
     train_section = config.train
     refuse_environment_beside("the run config's zero section (a DeepSpeed JSON goes in as zero.deepspeed)")
+    refuse_launch_accumulation_beside(
+        train_section.gradient_accumulation_steps, "train.gradient_accumulation_steps"
+    )
     check_init_from(config.model.init_from)
     check_activation_offload(config.model.activation_checkpointing, config.parallel.pipeline)
     output = Path(train_section.output_dir)
