@@ -113,9 +113,12 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
     check_activation_offload(config.model.activation_checkpointing, config.parallel.pipeline)
     output = Path(train_section.output_dir)
     checkpoints = output / "checkpoints"
-    previous_run = check_output_directory(output, resume, train_section.overwrite)
-    if resume is not None:  # before anything is built: a refused resume costs nothing
-        check_resume_settings(resolve_checkpoint(checkpoints, resume), config.to_dict())
+    # before anything is built: a refused resume, or output directory, costs nothing
+    resumed = resolve_checkpoint(checkpoints, resume) if resume is not None else None
+    inputs = {"model.init_from": config.model.init_from, "--resume": resumed}
+    previous_run = check_output_directory(output, resumed, train_section.overwrite, inputs)
+    if resumed is not None:
+        check_resume_settings(resumed, config.to_dict())
     engine_settings = config.zero.engine_settings(train_section.mixed_precision)
     check_deepspeed_micro_batch(engine_settings, train_section.micro_batch_size)
     accelerator = ZeroAccelerator(

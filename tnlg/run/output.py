@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -22,19 +23,45 @@ RUN_FILES = (
 )
 
 
-def check_output_directory(output: Path, resume: str | None, overwrite: bool) -> list[str]:
+def check_output_directory(
+    output: Path, resumed: Path | None, overwrite: bool, inputs: Mapping[str, str | Path | None]
+) -> list[str]:
     """The previous run's files in `output` that this run replaces (train.overwrite), or [] when there is
-    none or the run resumes it; a new run into a used directory without train.overwrite is refused."""
-    if resume is not None:
+    none or the run continues it (`resumed`, the checkpoint it resumes, lies in `output`'s checkpoints).
+
+    Refused before anything is built: an `output` that is not a directory; a new run into a used
+    directory without train.overwrite, a resume of another directory's checkpoint included (it would
+    replace this directory's checkpoints and model with another run's); and with train.overwrite, one of
+    the run's `inputs` ({setting: path}) inside a file it would remove."""
+    if output.exists() and not output.is_dir():
+        raise NotADirectoryError(f"train.output_dir {output} is a file, not a directory: choose another")
+    if resumed is not None and _inside(resumed, output / "checkpoints"):
         return []
     found = sorted(name for name in RUN_FILES if (output / name).exists())
     if found and not overwrite:
+        other = (
+            f" (--resume names a checkpoint of another directory, {resumed})" if resumed is not None else ""
+        )
         raise FileExistsError(
-            f"train.output_dir {output} already holds a run ({', '.join(found)}): continue it with "
+            f"train.output_dir {output} already holds a run ({', '.join(found)}){other}: continue it with "
             f"--resume latest, pass --train.overwrite true to replace it, or choose another "
             f"--train.output_dir"
         )
+    for setting, path in inputs.items():
+        removed = next(
+            (name for name in found if path is not None and _inside(Path(path), output / name)), None
+        )
+        if removed is not None:
+            raise ValueError(
+                f"{setting} {path} lies in the previous run's {removed} in train.output_dir {output}, which "
+                "train.overwrite would remove: copy it elsewhere first, or choose another --train.output_dir"
+            )
     return found
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    """Whether `path` is `directory` or lies in it, links resolved."""
+    return path.resolve().is_relative_to(directory.resolve())
 
 
 def remove_run_files(output: Path, names: list[str]) -> None:

@@ -1,0 +1,66 @@
+"""What a run may do to its output directory, checked before anything is built: it never mixes two runs,
+never removes its own inputs with train.overwrite, and names an output that is a file at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support import REPO
+from tnlg.run.config import load_run_config
+from tnlg.run.output import check_output_directory
+
+DEBUG = REPO / "configs" / "pretrain" / "debug.yaml"
+NO_INPUTS: dict = {}
+
+
+def _used(directory):
+    """A directory holding a run: a checkpoint, a model and a loss curve."""
+    (directory / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (directory / "model").mkdir()
+    (directory / "loss_curve.json").write_text("{}")
+    return directory
+
+
+def test_resuming_its_own_checkpoint_continues_the_run(tmp_path):
+    run = _used(tmp_path / "run")
+    assert check_output_directory(run, run / "checkpoints" / "step-00000002", False, NO_INPUTS) == []
+
+
+def test_resuming_another_runs_checkpoint_into_a_used_directory_is_refused(tmp_path):
+    # it replaced this run's checkpoints, model and loss curve with the other run's, step by step
+    other, run = _used(tmp_path / "other"), _used(tmp_path / "run")
+    with pytest.raises(
+        FileExistsError, match=r"already holds a run .* \(--resume names a checkpoint of another"
+    ):
+        check_output_directory(run, other / "checkpoints" / "step-00000002", False, NO_INPUTS)
+    assert (
+        check_output_directory(tmp_path / "new", other / "checkpoints" / "step-00000002", False, NO_INPUTS)
+        == []
+    )
+    replaced = check_output_directory(run, other / "checkpoints" / "step-00000002", True, NO_INPUTS)
+    assert replaced == ["checkpoints", "loss_curve.json", "model"]
+
+
+def test_overwrite_refuses_to_remove_the_runs_own_inputs(tmp_path):
+    run = _used(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"model.init_from .*/run/model lies in the previous run's model"):
+        check_output_directory(run, None, True, {"model.init_from": run / "model"})
+    link = tmp_path / "link"
+    link.symlink_to(run / "checkpoints")  # through a link too
+    with pytest.raises(ValueError, match=r"--resume .* lies in the previous run's checkpoints"):
+        check_output_directory(run, None, True, {"--resume": link / "step-00000002"})
+    elsewhere = _used(tmp_path / "elsewhere")
+    assert check_output_directory(run, None, True, {"model.init_from": elsewhere / "model"}) == [
+        "checkpoints", "loss_curve.json", "model",
+    ]  # fmt: skip
+
+
+def test_an_output_directory_that_is_a_file_is_refused_before_the_run_is_built(tmp_path):
+    # it was found only when the trained model was saved into it, after the whole run
+    from tnlg.run.loop import TrainingJob, build_run
+
+    (tmp_path / "runfile").write_text("not a directory")
+    config = load_run_config(DEBUG, ["--train.output_dir", str(tmp_path / "runfile")])
+    with pytest.raises(NotADirectoryError, match=r"train.output_dir .*runfile is a file, not a directory"):
+        build_run(config, TrainingJob(name="pretrain", seq_len=8, tokenizer="byte-level", batches=iter(())))
+    assert (tmp_path / "runfile").read_text() == "not a directory"
