@@ -186,7 +186,8 @@ def _verifies_checksums(args: argparse.Namespace) -> bool:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    refuse_output_overlapping_input(args.input, args.output)
+    inputs = {"--input": args.input, "--tokenizer-dir": args.tokenizer_dir, "--config": args.config}
+    refuse_output_overlapping_input(inputs, args.output)
     refuse_a_file_in_the_way(args.output)
     if not args.overwrite:
         refuse_a_used_directory(args.output, "pass --overwrite to replace it, or write into a new directory")

@@ -50,6 +50,16 @@ def test_an_output_overlapping_the_input_is_refused(gpt2_dir, where):
     assert snapshot(gpt2_dir) == before
 
 
+def test_overwrite_refuses_an_output_holding_another_input(tmp_path, gpt2_dir):
+    # --overwrite removed the old output whole, the tokenizer files it was told to copy with it
+    output = tmp_path / "model"
+    (output / "tokenizer").mkdir(parents=True)
+    (output / "tokenizer" / "README").write_text("the only copy")
+    with pytest.raises(ValueError, match=r"--output .*model overlaps --tokenizer-dir .*model/tokenizer"):
+        convert_gpt2(gpt2_dir, output, "--overwrite", "--tokenizer-dir", str(output / "tokenizer"))
+    assert (output / "tokenizer" / "README").read_text() == "the only copy"
+
+
 def test_consolidating_into_the_checkpoint_is_refused(tmp_path):
     with pytest.raises(ValueError, match="into the checkpoint itself"):
         consolidate(tmp_path, tmp_path)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 
@@ -33,15 +33,20 @@ def refuse_a_file_in_the_way(output: Path) -> None:
         raise FileExistsError(f"{output} is a file, not a directory: name a directory for the output")
 
 
-def refuse_output_overlapping_input(input_path: Path, output: Path) -> None:
-    """ValueError when `output` is `input_path`, lies inside it or holds it: writing there would replace
-    or mix with the files being converted."""
-    source, target = input_path.resolve(), output.resolve()
-    if source == target or source in target.parents or target in source.parents:
-        raise ValueError(
-            f"--output {output} overlaps --input {input_path} (the same directory, inside it or holding "
-            "it): write the converted model to a directory apart from its input"
-        )
+def refuse_output_overlapping_input(inputs: Mapping[str, Path | None], output: Path) -> None:
+    """ValueError when `output` is one of the `inputs` ({flag: path}; None: not given), lies inside it
+    or holds it: writing there (or replacing it with --overwrite) would replace or mix with what the
+    conversion reads."""
+    target = output.resolve()
+    for flag, path in inputs.items():
+        if path is None:
+            continue
+        source = path.resolve()
+        if source == target or source in target.parents or target in source.parents:
+            raise ValueError(
+                f"--output {output} overlaps {flag} {path} (the same path, inside it or holding it): write the "
+                "converted model to a directory apart from what it reads"
+            )
 
 
 @contextlib.contextmanager
