@@ -64,3 +64,23 @@ def test_an_output_directory_that_is_a_file_is_refused_before_the_run_is_built(t
     with pytest.raises(NotADirectoryError, match=r"train.output_dir .*runfile is a file, not a directory"):
         build_run(config, TrainingJob(name="pretrain", seq_len=8, tokenizer="byte-level", batches=iter(())))
     assert (tmp_path / "runfile").read_text() == "not a directory"
+
+
+def test_a_failed_gpt2_export_keeps_the_previous_one(tmp_path, monkeypatch):
+    # a resumed run that finishes again exports anew: it removed the old export before writing the new
+    import tnlg.run.loop as loop
+
+    target = tmp_path / "model-gpt2"
+    target.mkdir()
+    (target / "config.json").write_text("the previous export")
+
+    def failing_export(model, output, **kwargs):
+        (output / "model.safetensors").write_bytes(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(loop, "export_gpt2", failing_export)
+    with pytest.raises(OSError, match="disk full"):
+        loop._export_gpt2(tmp_path / "model", target)
+    assert [p.name for p in target.iterdir()] == ["config.json"]
+    assert (target / "config.json").read_text() == "the previous export"
+    assert [p.name for p in tmp_path.iterdir()] == ["model-gpt2"]  # no staging left

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from tnlg.run.optim import build_optimizer, build_schedule
 from tnlg.run.output import check_output_directory, remove_run_files
 from tnlg.sharding import DeepSpeedConfig, ZeroEngine
 from tnlg.sharding.json_files import read_json, write_json_atomic
+from tnlg.tools.convert.outputs import staged_output
 from tnlg.tools.convert.to_gpt2 import export_gpt2
 
 logger = logging.getLogger(__name__)
@@ -463,10 +463,10 @@ def _after_step(run: Run, step: int, progress: tqdm) -> None:
 
 def _export_gpt2(model: Path, target: Path) -> None:
     """train.export_gpt2: the final model again as a GPT2LMHeadModel directory. It is this run's own
-    output (a resumed run that finishes again writes it anew, as it does model/)."""
-    if target.exists():
-        shutil.rmtree(target)
-    export_gpt2(model, target, max_shard_size="2GB")
+    output (a resumed run that finishes again writes it anew, as it does model/), written beside it and
+    renamed into place whole: a failed export keeps the previous one ([Note: conversion outputs])."""
+    with staged_output(target, replace=True) as staging:
+        export_gpt2(model, staging, max_shard_size="2GB")
 
 
 def _save_final_model(run: Run) -> Path:
