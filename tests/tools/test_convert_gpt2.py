@@ -123,6 +123,21 @@ def test_a_checkpoint_missing_tensors_lists_them(tmp_path):
         from_gpt2(tmp_path)
 
 
+@pytest.mark.parametrize("where", ["missing", "no-config", "a-file"])
+def test_a_path_that_is_no_gpt2_directory_is_named_without_reaching_the_hub(tmp_path, where, monkeypatch):
+    # a missing path was looked up on the hub; a directory without config.json read as GPT-2 small
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    gpt2 = random_gpt2()
+    torch.save(gpt2.state_dict(), tmp_path / "pytorch_model.bin")  # weights without their config
+    path = {"missing": tmp_path / "absent", "no-config": tmp_path, "a-file": tmp_path / "pytorch_model.bin"}[
+        where
+    ]
+    with pytest.raises(
+        FileNotFoundError, match=r"is not a GPT-2 checkpoint directory: it holds no config.json"
+    ):
+        from_gpt2(path)
+
+
 def test_pickled_objects_are_refused(tmp_path):
     gpt2 = random_gpt2()
     gpt2.config.save_pretrained(tmp_path)
@@ -149,3 +164,20 @@ def test_cli_writes_a_sharded_checkpoint_with_tokenizer(tmp_path):
     assert type(loaded) is TNLGForCausalLM
     input_ids = torch.randint(0, VOCAB, (2, 12))
     torch.testing.assert_close(loaded(input_ids).logits, gpt2(input_ids).logits, atol=1e-5, rtol=0)
+
+
+def test_the_script_names_an_unreadable_config_in_one_line(tmp_path, capsys, monkeypatch):
+    # Transformers raises OSError for a config.json that is not JSON: a traceback before, exit 1
+    from scripts.convert_checkpoint import main
+    from tnlg.run.cli import exit_on_input_error
+
+    monkeypatch.delenv("TNLG_TRACEBACK", raising=False)
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text("{not json")
+    with pytest.raises(SystemExit) as exited:
+        exit_on_input_error(main)(
+            ["--from", "gpt2", "--input", str(tmp_path / "gpt2"), "--output", str(tmp_path / "out")]
+        )
+    error = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(error) == 1 and error[0].startswith("error: ")
+    assert "config.json" in error[0] and not (tmp_path / "out").exists()

@@ -148,6 +148,13 @@ def from_gpt2(
         source = type(model_or_dir).__name__
     else:
         path = Path(model_or_dir)
+        if not (path / "config.json").is_file():
+            # Transformers would take a missing path for a hub name, and a directory without one for
+            # GPT-2 small's defaults (then name hundreds of tensors that do not fit them)
+            raise FileNotFoundError(
+                f"{path} is not a GPT-2 checkpoint directory: it holds no config.json (from_gpt2 reads a "
+                "directory saved by save_pretrained; nothing is downloaded)"
+            )
         gpt2_config = GPT2Config.from_pretrained(path)
         tensors, source = load_tensors(path), str(path)
     if getattr(gpt2_config, "model_type", None) != "gpt2":
