@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tnlg.modeling import TNLGConfig
-from tnlg.run.build import architecture, meta_model
+from tnlg.run.build import architecture, check_init_from, meta_model
 from tnlg.run.cli import exit_on_input_error
 from tnlg.run.config import RunConfig, load_run_config
 from tnlg.run.optim import build_optimizer
@@ -178,6 +178,7 @@ def study_from_run_config(path: str, optimizer: str) -> Study:
     """The run's model (its preset, or init_from's config.json, with its overrides) and its settings."""
     run = load_run_config(path)
     section = run.model
+    check_init_from(section.init_from)  # a local TNLG checkpoint, as a run needs it
     model = architecture(section)
     zero = run.zero.to_zero_config(run.train.mixed_precision)
     options = {

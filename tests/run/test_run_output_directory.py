@@ -84,3 +84,25 @@ def test_a_failed_gpt2_export_keeps_the_previous_one(tmp_path, monkeypatch):
     assert [p.name for p in target.iterdir()] == ["config.json"]
     assert (target / "config.json").read_text() == "the previous export"
     assert [p.name for p in tmp_path.iterdir()] == ["model-gpt2"]  # no staging left
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            '{"model_type": "gpt2", "n_layer": 2}',
+            r"holds a 'gpt2' model, not a 'tnlg' one: .* --from gpt2 --input",
+        ),
+        ('{"n_layer": 2}', r"holds a None model, not a 'tnlg' one"),
+        ("{not json", r"config.json is not a readable config.json"),
+        ("[1, 2]", r"config.json is not a config.json: it holds no JSON object"),
+    ],
+    ids=["gpt2", "no-model-type", "not-json", "not-an-object"],
+)
+def test_init_from_another_models_checkpoint_is_refused(tmp_path, config, message):
+    # Transformers read a GPT-2 config.json as the default TNLG architecture, with a warning only
+    from tnlg.run.build import check_init_from
+
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(ValueError, match=message):
+        check_init_from(str(tmp_path))

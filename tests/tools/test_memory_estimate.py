@@ -330,6 +330,17 @@ def test_script_estimates_at_the_precision_a_runs_deepspeed_json_enables(capsys,
     assert tables["json"] == tables["train"] and any("bf16" in line for line in tables["json"])
 
 
+def test_script_refuses_a_run_starting_from_another_models_checkpoint(tmp_path):
+    # a GPT-2 directory's config.json was read as the default TNLG architecture: figures of another model
+    from scripts.estimate_memory import main
+
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2, "n_embd": 32}')
+    (tmp_path / "run.yaml").write_text(f"model: {{init_from: {tmp_path / 'gpt2'}}}\n")
+    with pytest.raises(ValueError, match="holds a 'gpt2' model, not a 'tnlg' one"):
+        main(["--config", str(tmp_path / "run.yaml"), "--world-sizes", "8"])
+
+
 def test_script_refuses_settings_a_run_config_decides(capsys):
     from scripts.estimate_memory import main
 

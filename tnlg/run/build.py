@@ -7,6 +7,7 @@ else a byte-level BPE of the embedded corpus at the model's vocabulary size (tra
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,28 @@ def check_init_from(init_from: str | None) -> None:
             "directory written by save_pretrained (a run's model/), or convert one with "
             "scripts/convert_checkpoint.py"
         )
+    model_type = _model_type(path / "config.json")
+    if model_type != TNLGConfig.model_type:
+        # Transformers would read another model's config.json as a TNLG one, with a warning only: a
+        # GPT-2 directory became the default TNLG architecture (estimates of the wrong model, or a
+        # misleading vocabulary error)
+        convert = "--from gpt2 " if model_type == "gpt2" else ""
+        raise ValueError(
+            f"model.init_from {init_from} holds a {model_type!r} model, not a {TNLGConfig.model_type!r} one: "
+            f"convert it first (scripts/convert_checkpoint.py {convert}--input {init_from} --output DIR) and "
+            "start from DIR"
+        )
+
+
+def _model_type(config_file: Path) -> str | None:
+    """The `model_type` a config.json names; ValueError naming the file when it is no JSON object."""
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{config_file} is not a readable config.json ({error})") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} is not a config.json: it holds no JSON object")
+    return config.get("model_type")
 
 
 def meta_model(architecture: TNLGConfig) -> nn.Module:
