@@ -125,6 +125,26 @@ def test_missing_rank_file_is_named(tmp_path, gpt2):
         from_megatron(tmp_path)
 
 
+def test_a_missing_last_tensor_rank_is_named_by_the_saved_args(tmp_path, gpt2):
+    # without the args the sizes came from the directories present: a tensor-1 model, a shape error later
+    shards = megatron_shards(gpt2, tp=2, pp=2)
+    del shards[(1, 0)], shards[(1, 1)]
+    save_megatron_checkpoint(
+        shards, tmp_path, num_heads=HEADS, tensor_model_parallel_size=2, pipeline_model_parallel_size=2
+    )
+    with pytest.raises(
+        ValueError, match=r"lacks mp_rank_01_000, mp_rank_01_001: its saved args say tensor 2 x"
+    ):
+        from_megatron(tmp_path)
+
+
+def test_a_damaged_iteration_file_is_named(tmp_path, gpt2):
+    save_megatron_checkpoint(megatron_shards(gpt2), tmp_path, num_heads=HEADS)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("abc\n")
+    with pytest.raises(ValueError, match=r"latest_checkpointed_iteration.txt names neither an iteration nor"):
+        from_megatron(tmp_path)
+
+
 def test_unsupported_architecture_args_are_refused(tmp_path, gpt2):
     save_megatron_checkpoint(
         megatron_shards(gpt2), tmp_path, num_heads=HEADS, apply_residual_connection_post_layernorm=True

@@ -282,6 +282,10 @@ def read_megatron_checkpoint(path: str | Path) -> tuple[dict[tuple[int, int], di
     path = Path(path)
     if path.is_dir() and (path / "latest_checkpointed_iteration.txt").is_file():
         tag = (path / "latest_checkpointed_iteration.txt").read_text().strip()
+        if tag != "release" and not tag.isdigit():
+            raise ValueError(
+                f"{path / 'latest_checkpointed_iteration.txt'} names neither an iteration nor 'release': {tag[:40]!r}"
+            )
         path = path / (tag if tag == "release" else f"iter_{int(tag):07d}")
     if path.is_dir() and any(path.glob("*.distcp")):
         raise ValueError(
@@ -313,7 +317,26 @@ def read_megatron_checkpoint(path: str | Path) -> tuple[dict[tuple[int, int], di
         shards[ranks] = flatten(model)
         if not metadata:
             metadata = {k: loaded[k] for k in ("args", "checkpoint_version") if k in loaded}
+    _check_saved_layout(path, set(files), metadata.get("args"))
     return shards, metadata
+
+
+def _check_saved_layout(path: Path, found: set[tuple[int, int]], args: Any) -> None:
+    """ValueError naming the rank directories a checkpoint lacks, by its saved args' tensor and pipeline
+    sizes: without them the sizes come from the directories present, and a missing last rank would make
+    a smaller model that fails later on a shape, not on what is missing."""
+    tensor = getattr(args, "tensor_model_parallel_size", None)
+    pipeline = getattr(args, "pipeline_model_parallel_size", None)
+    if not isinstance(tensor, int) or not isinstance(pipeline, int):
+        return
+    expected = {(tp, pp) for tp in range(tensor) for pp in range(pipeline)}
+    missing = sorted(expected - found)
+    if missing:
+        names = [f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pipeline > 1 else "") for tp, pp in missing]
+        raise ValueError(
+            f"{path} lacks {', '.join(names)}: its saved args say tensor {tensor} x pipeline {pipeline} ranks, "
+            f"and {len(found)} of the {len(expected)} rank directories are there"
+        )
 
 
 # Saved-args settings that change the function without changing tensor names or shapes.
