@@ -25,8 +25,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from tnlg.data.corpus import embedded_corpus
-from tnlg.data.pretokenized import write_pretokenized
-from tnlg.data.sources import DocumentReader, SourceConfig
+from tnlg.data.pretokenized import NoDocumentsError, write_pretokenized
+from tnlg.data.sources import DocumentReader, EmptyEpochError, SourceConfig
 from tnlg.data.tokenizer import load_tokenizer
 from tnlg.run.cli import exit_on_input_error
 
@@ -110,9 +110,8 @@ def write_subset(source: SourceConfig, tokenizer, staged_prefix: Path, on_bad_re
     with tqdm(desc=f"tokenizing {source.name}", unit="doc") as progress:
         try:
             meta = write_pretokenized(reader.first_epoch_texts(), tokenizer, staged_prefix, progress)
-        except ValueError as error:
-            if reader.stats.documents:
-                raise
+        except (NoDocumentsError, EmptyEpochError) as error:
+            # A damaged file or a fatal bad record is the reader's own error, and passes through as it is.
             # The staging path in write_pretokenized's message means nothing to the user: name the subset.
             raise ValueError(
                 f"{source.name}: no documents in {list(source.paths)} (skipped: {dict(reader.stats.skipped)}, "

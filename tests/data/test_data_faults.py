@@ -127,11 +127,27 @@ def test_prepare_data_refuses_a_damaged_input_and_writes_nothing(damaged, tmp_pa
     from scripts.prepare_data import main as prepare
 
     output = tmp_path / "out" / "corpus"
-    for name in ("zst-cut-mid-frame.jsonl.zst", "gz-cut-half.jsonl.gz"):
+    # damage before the first document too: it was reported as "no documents"
+    for name in (
+        "zst-cut-mid-frame.jsonl.zst",
+        "gz-cut-half.jsonl.gz",
+        "zst-empty.jsonl.zst",
+        "gz-empty.jsonl.gz",
+    ):
         arguments = ["--input", str(damaged[name]), "--tokenizer", "byte-level", "--output", str(output)]
         with pytest.raises(DamagedFileError, match=rf"{name} is damaged"):
             prepare([*arguments, "--on-bad-record", "skip"])
     assert not list(output.parent.glob("*"))  # no corpus and no staged .tmp files
+
+
+def test_prepare_data_names_a_fatal_first_record(tmp_path):
+    from scripts.prepare_data import main as prepare
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": broken\n{"text": "fine"}\n')
+    arguments = ["--input", str(corpus), "--tokenizer", "byte-level", "--output", str(tmp_path / "out" / "c")]
+    with pytest.raises(ValueError, match=r"corpus.jsonl:1: .*JSON"):
+        prepare([*arguments, "--on-bad-record", "fatal"])
 
 
 def test_a_damaged_parquet_file_is_named_by_both_readers(tmp_path):

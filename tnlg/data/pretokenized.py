@@ -45,6 +45,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
 
 
+class NoDocumentsError(ValueError):
+    """`write_pretokenized` was given no text: nothing to write (a reader's own errors pass through)."""
+
+
 def write_pretokenized(
     texts: Iterable[str], tokenizer: PreTrainedTokenizerBase, prefix: str | Path, progress=None
 ) -> dict[str, Any]:
@@ -67,7 +71,7 @@ def write_pretokenized(
     if meta["documents"] == 0:
         for path in staged.values():
             path.unlink()
-        raise ValueError(f"no documents to write to {prefix}: the input holds no text")
+        raise NoDocumentsError(f"no documents to write to {prefix}: the input holds no text")
     for suffix, path in staged.items():
         os.replace(path, prefix.with_name(prefix.name + suffix))
     return meta

@@ -47,6 +47,10 @@ BAD_RECORD_POLICIES = ("skip", "fatal")
 MAX_LOGGED_PER_SOURCE = 20  # the first bad records of a source are logged with file and line; all are counted
 
 
+class EmptyEpochError(ValueError):
+    """A whole epoch of a source gave this rank no document (every record skipped, filtered or absent)."""
+
+
 class BadRecordError(ValueError):
     pass
 
@@ -237,7 +241,7 @@ class DocumentReader:
                 self.record = 0
             if whole_epoch and not produced:
                 # Endless reading would otherwise spin over an epoch that can never give a document.
-                raise ValueError(
+                raise EmptyEpochError(
                     f"source {self.source.name!r} ({_some(order)}) gives rank {self.rank} of "
                     f"{self.world_size} no document in a whole epoch ({self.seen} records, skipped: "
                     f"{dict(self.stats.skipped)}, other Pile subsets: {self.stats.filtered})"
