@@ -106,3 +106,19 @@ def test_init_from_another_models_checkpoint_is_refused(tmp_path, config, messag
     (tmp_path / "config.json").write_text(config)
     with pytest.raises(ValueError, match=message):
         check_init_from(str(tmp_path))
+
+
+def test_resume_latest_naming_a_missing_checkpoint_is_named(tmp_path):
+    # it warned "records no run config", built the engine, then failed on the missing manifest; with
+    # train.resume_fallback the load takes the newest older checkpoint instead (CheckpointError per candidate)
+    from tnlg.run.loop import TrainingJob, build_run
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "latest").write_text('{"checkpoint": "step-00000004"}')
+    config = load_run_config(DEBUG, ["--train.output_dir", str(tmp_path / "run")])
+    job = TrainingJob(name="pretrain", seq_len=8, tokenizer="byte-level", batches=iter(()))
+    with pytest.raises(
+        ValueError, match=r"latest names step-00000004, which is not there: set train.resume_fallback"
+    ):
+        build_run(config, job, resume="latest")

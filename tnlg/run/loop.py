@@ -35,13 +35,14 @@ from tnlg.run.activations import (
     offloaded_activations,
 )
 from tnlg.run.build import check_init_from, meta_model, model_config, run_tokenizer
-from tnlg.run.checkpoint import RunCheckpointer, check_resume_settings, resolve_checkpoint
+from tnlg.run.checkpoint import LATEST, RunCheckpointer, check_resume_settings, resolve_checkpoint
 from tnlg.run.config import TrainingConfig, pipeline_parts
 from tnlg.run.launch_checks import check_ranks_run_the_same_job
 from tnlg.run.metrics import LossCurve, flat_hyperparameters, peak_flops_per_device, tracker_names
 from tnlg.run.optim import build_optimizer, build_schedule
 from tnlg.run.output import check_output_directory, remove_run_files
 from tnlg.sharding import DeepSpeedConfig, ZeroEngine
+from tnlg.sharding.checkpoint import CheckpointError
 from tnlg.sharding.json_files import read_json, write_json_atomic
 from tnlg.tools.convert.outputs import staged_output
 from tnlg.tools.convert.to_gpt2 import export_gpt2
@@ -117,7 +118,14 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
     resumed = resolve_checkpoint(checkpoints, resume) if resume is not None else None
     inputs = {"model.init_from": config.model.init_from, "--resume": resumed}
     previous_run = check_output_directory(output, resumed, train_section.overwrite, inputs)
-    if resumed is not None:
+    if resumed is not None and not resumed.is_dir():
+        # `latest` names a checkpoint that is gone: with resume_fallback the load takes an older one
+        if not (resume == LATEST and train_section.resume_fallback):
+            raise CheckpointError(
+                f"--resume {resume}: {checkpoints / LATEST} names {resumed.name}, which is not there: set "
+                "train.resume_fallback true to continue from the newest older checkpoint, or resume one by path"
+            )
+    elif resumed is not None:
         check_resume_settings(resumed, config.to_dict())
     engine_settings = config.zero.engine_settings(train_section.mixed_precision)
     check_deepspeed_micro_batch(engine_settings, train_section.micro_batch_size)
