@@ -38,7 +38,8 @@ import torch
 
 from tnlg.modeling.loading import inert_globals
 
-from ..checkpoint_files import CheckpointError
+from ..checkpoint import ENGINE_DIRECTORY
+from ..checkpoint_files import MANIFEST, CheckpointError
 
 LATEST = "latest"
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -90,11 +91,23 @@ def deepspeed_tag_directory(path: str | Path) -> Path | None:
 
 def is_deepspeed_checkpoint(path: str | Path) -> bool:
     """Whether `path` is a DeepSpeed checkpoint's save or tag directory (one whose `latest` names a tag
-    that is not there is still DeepSpeed's), for errors where a tnlg checkpoint was expected."""
+    that is not there is still DeepSpeed's, unless the directory holds engine checkpoints: then its
+    `latest` is a damaged tnlg pointer), for errors where a tnlg checkpoint was expected."""
     try:
         return deepspeed_tag_directory(path) is not None
     except CheckpointError:
-        return True
+        return not _holds_engine_checkpoints(Path(path))
+
+
+def _holds_engine_checkpoints(path: Path) -> bool:
+    """Whether `path` holds tnlg engine checkpoints (a run's `step-N/engine/manifest.json`)."""
+    return any(child.is_dir() and (child / ENGINE_DIRECTORY / MANIFEST).is_file() for child in path.iterdir())
+
+
+def _is_tnlg_pointer(path: Path) -> bool:
+    """Whether `path/latest` is a tnlg run's pointer (JSON), not DeepSpeed's plain tag."""
+    pointer = path / LATEST
+    return pointer.is_file() and pointer.read_text().strip().startswith("{")
 
 
 def read_deepspeed_checkpoint(path: str | Path) -> DeepSpeedZeroState:
@@ -102,6 +115,11 @@ def read_deepspeed_checkpoint(path: str | Path) -> DeepSpeedZeroState:
     directory) into whole tensors. A checkpoint this cannot read faithfully is refused by name."""
     directory = deepspeed_tag_directory(path)
     if directory is None:
+        if Path(path).is_dir() and _is_tnlg_pointer(Path(path)):
+            raise CheckpointError(
+                f"{path} is a tnlg run's checkpoints (its `{LATEST}` is tnlg's pointer), not a DeepSpeed "
+                "checkpoint: convert it with --from zero"
+            )
         raise CheckpointError(
             f"{path} is not a DeepSpeed checkpoint: no `{LATEST}` file and no *_model_states.pt"
         )

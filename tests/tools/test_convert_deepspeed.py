@@ -105,3 +105,27 @@ def test_a_directory_that_is_no_checkpoint_is_not_called_deepspeeds(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"holds no engine checkpoint") as raised:
         find_engine_checkpoint(tmp_path)
     assert "DeepSpeed" not in str(raised.value)
+
+
+@pytest.mark.parametrize("pointer", ["", "garbage"], ids=["empty", "garbage"])
+def test_a_runs_damaged_latest_is_not_called_deepspeeds(tmp_path, pointer):
+    # a run's checkpoints root whose `latest` is damaged was sent to --from deepspeed
+    from tnlg.run.checkpoint import find_engine_checkpoint
+    from tnlg.sharding.deepspeed.zero_checkpoint import is_deepspeed_checkpoint
+
+    (tmp_path / "step-00000002" / "engine").mkdir(parents=True)
+    (tmp_path / "step-00000002" / "engine" / "manifest.json").write_text("{}")
+    (tmp_path / "latest").write_text(pointer)
+    assert not is_deepspeed_checkpoint(tmp_path)
+    with pytest.raises(ValueError) as raised:
+        find_engine_checkpoint(tmp_path)
+    assert "latest is not valid JSON" in str(raised.value) and "DeepSpeed" not in str(raised.value)
+
+
+def test_a_runs_checkpoints_given_as_deepspeeds_are_named_as_tnlgs(tmp_path):
+    from tnlg.sharding.checkpoint import CheckpointError
+    from tnlg.sharding.deepspeed.zero_checkpoint import read_deepspeed_checkpoint
+
+    (tmp_path / "latest").write_text('{"checkpoint": "step-00000002"}')
+    with pytest.raises(CheckpointError, match=r"is a tnlg run's checkpoints .*: convert it with --from zero"):
+        read_deepspeed_checkpoint(tmp_path)
