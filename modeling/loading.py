@@ -106,6 +106,15 @@ def read_json(path: Path, what: str) -> Any:
         ) from None
 
 
+def config_model_type(path: Path) -> str | None:
+    """The `model_type` a config.json names (None: it names none); a `CheckpointFileError` when the
+    file is missing, not JSON or no JSON object, before Transformers reads it as something else."""
+    config = read_json(path, "the model's config")
+    if not isinstance(config, dict):
+        raise CheckpointFileError(path, f"holds a JSON {type(config).__name__}, not a model config")
+    return config.get("model_type")
+
+
 def read_index(path: Path) -> dict[str, str]:
     """The weight map (tensor name -> file name) of a safetensors index."""
     index = read_json(path, "the safetensors index")

@@ -94,8 +94,8 @@ def test_a_failed_gpt2_export_keeps_the_previous_one(tmp_path, monkeypatch):
             r"holds a 'gpt2' model, not a 'tnlg' one: .* --from gpt2 --input",
         ),
         ('{"n_layer": 2}', r"holds a None model, not a 'tnlg' one"),
-        ("{not json", r"config.json is not a readable config.json"),
-        ("[1, 2]", r"config.json is not a config.json: it holds no JSON object"),
+        ("{not json", r"config.json is not valid JSON"),
+        ("[1, 2]", r"config.json holds a JSON list, not a model config"),
     ],
     ids=["gpt2", "no-model-type", "not-json", "not-an-object"],
 )

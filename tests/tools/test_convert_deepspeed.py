@@ -129,3 +129,12 @@ def test_a_runs_checkpoints_given_as_deepspeeds_are_named_as_tnlgs(tmp_path):
     (tmp_path / "latest").write_text('{"checkpoint": "step-00000002"}')
     with pytest.raises(CheckpointError, match=r"is a tnlg run's checkpoints .*: convert it with --from zero"):
         read_deepspeed_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(("content", "message"), [("[]", "holds a JSON list"), ("{bad", "is not valid JSON")])
+def test_a_config_that_is_no_model_config_is_named(tmp_path, content, message):
+    # a JSON list failed with an AttributeError traceback, bad JSON with a message naming no file
+
+    (tmp_path / "config.json").write_text(content)
+    with pytest.raises(ValueError, match=rf"config.json {message}"):
+        from_deepspeed(CASE["stage1_world2"].directory / CHECKPOINT, config=tmp_path / "config.json")

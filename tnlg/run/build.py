@@ -7,7 +7,6 @@ else a byte-level BPE of the embedded corpus at the model's vocabulary size (tra
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from tnlg.data.corpus import cache_root, embedded_corpus
 from tnlg.data.pretokenized import read_texts
 from tnlg.data.tokenizer import has_tokenizer, load_tokenizer, train_byte_level_bpe
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
+from tnlg.modeling.loading import config_model_type
 from tnlg.run.config import ModelSection
 
 
@@ -90,7 +90,7 @@ def check_init_from(init_from: str | None) -> None:
             "directory written by save_pretrained (a run's model/), or convert one with "
             "scripts/convert_checkpoint.py"
         )
-    model_type = _model_type(path / "config.json")
+    model_type = config_model_type(path / "config.json")
     if model_type != TNLGConfig.model_type:
         # Transformers would read another model's config.json as a TNLG one, with a warning only: a
         # GPT-2 directory became the default TNLG architecture (estimates of the wrong model, or a
@@ -101,17 +101,6 @@ def check_init_from(init_from: str | None) -> None:
             f"convert it first (scripts/convert_checkpoint.py {convert}--input {init_from} --output DIR) and "
             "start from DIR"
         )
-
-
-def _model_type(config_file: Path) -> str | None:
-    """The `model_type` a config.json names; ValueError naming the file when it is no JSON object."""
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{config_file} is not a readable config.json ({error})") from error
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_file} is not a config.json: it holds no JSON object")
-    return config.get("model_type")
 
 
 def meta_model(architecture: TNLGConfig) -> nn.Module:

@@ -5,13 +5,13 @@ Transformers GPT-2 (`GPT2LMHeadModel` under the Trainer's DeepSpeed integration)
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from transformers import GPT2Config
 
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
+from tnlg.modeling.loading import config_model_type
 from tnlg.sharding.deepspeed.zero_checkpoint import deepspeed_tag_directory, read_deepspeed_checkpoint
 
 from .gpt2 import gpt2_state_dict_to_tnlg, tnlg_config_from_gpt2
@@ -32,7 +32,7 @@ def from_deepspeed(
     checkpoint = Path(checkpoint)
     state = read_deepspeed_checkpoint(checkpoint)
     config_path = _config_path(checkpoint, config)
-    model_type = json.loads(config_path.read_text()).get("model_type")
+    model_type = config_model_type(config_path)
     source = str(state.directory)
     if model_type == "tnlg":
         model = build_model(TNLGConfig.from_json_file(config_path), state.masters, source)
