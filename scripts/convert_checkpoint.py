@@ -49,6 +49,7 @@ from tnlg.tools.convert import copy_tokenizer_files, export_gpt2, from_deepspeed
 from tnlg.tools.convert.outputs import (
     refuse_a_file_in_the_way,
     refuse_a_used_directory,
+    refuse_an_output_that_cannot_be_moved,
     refuse_output_overlapping_input,
     staged_output,
 )
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     inputs = {"--input": args.input, "--tokenizer-dir": args.tokenizer_dir, "--config": args.config}
     refuse_output_overlapping_input(inputs, args.output)
+    refuse_an_output_that_cannot_be_moved(args.output)
     refuse_a_file_in_the_way(args.output)
     if not args.overwrite:
         refuse_a_used_directory(args.output, "pass --overwrite to replace it, or write into a new directory")

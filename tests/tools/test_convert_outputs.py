@@ -60,6 +60,24 @@ def test_overwrite_refuses_an_output_holding_another_input(tmp_path, gpt2_dir):
     assert (output / "tokenizer" / "README").read_text() == "the only copy"
 
 
+def test_an_output_that_cannot_be_renamed_into_place_is_refused_before_converting(
+    tmp_path, gpt2_dir, monkeypatch
+):
+    # found only after the conversion: EBUSY renaming the working directory, a stray rename of a link
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "kept").write_text("kept")
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(ValueError, match=r"--output .*link is a symbolic link: name the directory itself"):
+        convert_gpt2(gpt2_dir, tmp_path / "link", "--overwrite")
+    monkeypatch.chdir(target)
+    with pytest.raises(ValueError, match=r"--output \. is the working directory or holds it"):
+        convert_gpt2(gpt2_dir, Path("."), "--overwrite")
+    assert snapshot(target) == {"kept": b"kept"} and sorted(p.name for p in tmp_path.iterdir()) == [
+        "gpt2", "link", "target",
+    ]  # fmt: skip
+
+
 def test_consolidating_into_the_checkpoint_is_refused(tmp_path):
     with pytest.raises(ValueError, match="into the checkpoint itself"):
         consolidate(tmp_path, tmp_path)
