@@ -27,7 +27,7 @@ from tnlg.inference.distributed import (
     sharding_from_flags,
 )
 from tnlg.inference.generation import generate_texts, load_model_and_tokenizer
-from tnlg.inference.settings import GenerationSettings
+from tnlg.inference.settings import GenerationSettings, setting_problems
 from tnlg.run.cli import exit_on_input_error
 from tnlg.sharding import ZeroConfig
 
@@ -89,6 +89,20 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"{flags} shape sampling only: add --do-sample (greedy and beam search ignore them)")
     if args.batch_size < 1:
         parser.error(f"--batch-size {args.batch_size}: must be at least 1 (prompts per generate call)")
+    for name, value, wanted in setting_problems(generation_settings(args)):  # Transformers' refusals, mid-run
+        parser.error(f"--{name.replace('_', '-')} {value}: must be {wanted}")
+
+
+def generation_settings(args: argparse.Namespace) -> GenerationSettings:
+    return GenerationSettings(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        num_beams=args.num_beams,
+        use_cache=not args.no_cache,
+    )
 
 
 def sharded_settings(args: argparse.Namespace) -> tuple[ZeroConfig, torch.dtype | None]:
@@ -111,16 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed + rank)
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
-        raise SystemExit("no prompt: pass --prompt or write prompts to stdin")
-    settings = GenerationSettings(
-        max_new_tokens=args.max_new_tokens,
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        num_beams=args.num_beams,
-        use_cache=not args.no_cache,
-    )
+        raise ValueError("no prompt: pass --prompt or write prompts to stdin")
+    settings = generation_settings(args)
     if distributed or args.zero_stage is not None or args.zero_config:
         engine, tokenizer = load_sharded_model(
             args.model, config, tokenizer=args.tokenizer, device=args.device

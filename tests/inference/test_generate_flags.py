@@ -24,6 +24,21 @@ def test_sampling_flags_without_do_sample_are_refused(flag, capsys):
     assert getattr(parse_args(["--prompt", "hi", "--do-sample", flag, "1"]), flag[2:].replace("-", "_")) == 1
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+        (["--num-beams", "0"], "--num-beams 0: must be >= 1"),
+        (["--do-sample", "--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
+    ],
+)
+def test_generation_settings_out_of_range_are_refused_before_the_model_loads(flags, named, capsys):
+    # Transformers refused them after the model had loaded
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--model", "debug", "--prompt", "hi", *flags])
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("size", ["0", "-1"])
 def test_a_batch_size_below_one_is_refused(size, capsys):
     with pytest.raises(SystemExit):
