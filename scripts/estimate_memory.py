@@ -40,9 +40,12 @@ DEFAULT_PRESETS = ["tnlg-17b", "mt-nlg-530b"]
 
 def _int_list(text: str) -> list[int]:
     try:
-        return [int(item) for item in text.split(",") if item.strip()]
+        values = [int(item) for item in text.split(",") if item.strip()]
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from error
+    if not values:  # an empty table, exit 0, would read as "nothing fits"
+        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
+    return values
 
 
 def _memory_size(text: str) -> int:
