@@ -185,6 +185,13 @@ def test_a_damaged_pretokenized_corpus_is_named(tmp_path, tokenizer):
     meta.write_text(json.dumps({"format_version": 1, "dtype": "uint16"}))
     with pytest.raises(DamagedFileError, match=r"it lacks \['tokens'"):
         PretokenizedCorpus(prefix, seq_len=8)
+    good = json.loads(text)
+    for key, value in (("vocab_size", "257"), ("max_token_id", -1), ("documents", True)):
+        meta.write_text(json.dumps({**good, key: value}))  # a TypeError naming no file, or a wrong check
+        with pytest.raises(
+            DamagedFileError, match=rf"{meta} is damaged: {key} .* is not a whole number >= 0"
+        ):
+            PretokenizedCorpus(prefix, seq_len=8)
 
 
 # ------------------------------------------------------------------ fine-tuning rows that are not text

@@ -213,7 +213,17 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise DamagedFileError(path, f"it lacks {missing}")
     if meta["dtype"] not in ("uint16", "uint32") or not isinstance(meta["tokens"], int) or meta["tokens"] < 0:
         raise DamagedFileError(path, f"dtype {meta['dtype']!r} / tokens {meta['tokens']!r} are not valid")
+    counts = {key: meta.get(key) for key in ("documents", "vocab_size", "eos_token_id", "max_token_id")}
+    wrong = {key: value for key, value in counts.items() if key in meta and not _is_count(value)}
+    if wrong:  # compared with integers later, where a string raised TypeError naming no file
+        raise DamagedFileError(
+            path, "; ".join(f"{key} {value!r} is not a whole number >= 0" for key, value in wrong.items())
+        )
     return meta
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class PretokenizedStream(torch.utils.data.IterableDataset):
