@@ -181,3 +181,11 @@ def test_the_script_names_an_unreadable_config_in_one_line(tmp_path, capsys, mon
     error = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2 and len(error) == 1 and error[0].startswith("error: ")
     assert "config.json" in error[0] and not (tmp_path / "out").exists()
+
+
+def test_an_empty_weight_file_is_named_as_empty(tmp_path):
+    # torch's message was empty, and the advice to re-save the state dict alone did not apply
+    random_gpt2().config.save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"pytorch_model.bin is empty \(0 bytes\)"):
+        from_gpt2(tmp_path)

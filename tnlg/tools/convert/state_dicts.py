@@ -89,6 +89,8 @@ def load_torch_file(path: str | Path) -> object:
     rebuilt as inert stubs (`_megatron_enum_stubs`). Anything else (arbitrary classes) is refused
     with the list of globals the file wants, never executed.
     """
+    if Path(path).is_file() and Path(path).stat().st_size == 0:  # torch's own message is empty then
+        raise ValueError(f"{path} is empty (0 bytes): a checkpoint file cut short, or never written")
     safe = [argparse.Namespace, *_numpy_safe_globals(), *_megatron_enum_stubs(path)]
     try:
         with torch.serialization.safe_globals(safe):
