@@ -106,27 +106,8 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
     """The accelerator, the tokenizer, the sharded model with its optimizer and schedule, this rank's
     batches, and (with `resume`) everything restored from a checkpoint."""
     train_section = config.train
-    refuse_environment_beside("the run config's zero section (a DeepSpeed JSON goes in as zero.deepspeed)")
-    refuse_launch_accumulation_beside(
-        train_section.gradient_accumulation_steps, "train.gradient_accumulation_steps"
-    )
-    check_init_from(config.model.init_from)
-    check_activation_offload(config.model.activation_checkpointing, config.parallel.pipeline)
     output = Path(train_section.output_dir)
-    checkpoints = output / "checkpoints"
-    # before anything is built: a refused resume, or output directory, costs nothing
-    resumed = resolve_checkpoint(checkpoints, resume) if resume is not None else None
-    inputs = {"model.init_from": config.model.init_from, "--resume": resumed}
-    previous_run = check_output_directory(output, resumed, train_section.overwrite, inputs)
-    if resumed is not None and not resumed.is_dir():
-        # `latest` names a checkpoint that is gone: with resume_fallback the load takes an older one
-        if not (resume == LATEST and train_section.resume_fallback):
-            raise CheckpointError(
-                f"--resume {resume}: {checkpoints / LATEST} names {resumed.name}, which is not there: set "
-                "train.resume_fallback true to continue from the newest older checkpoint, or resume one by path"
-            )
-    elif resumed is not None:
-        check_resume_settings(resumed, config.to_dict())
+    previous_run = _check_before_building(config, resume)
     engine_settings = config.zero.engine_settings(train_section.mixed_precision)
     check_deepspeed_micro_batch(engine_settings, train_section.micro_batch_size)
     accelerator = ZeroAccelerator(
@@ -159,7 +140,9 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
         architecture,
         # Ranks of one tensor group (or pipeline) read the same data: the stream is cut by data rank.
         stream=job.batches(tokenizer, accelerator.data_parallel_rank, accelerator.data_parallel_size),
-        checkpointer=RunCheckpointer(checkpoints, keep_last=train_section.keep_last, accelerator=accelerator),
+        checkpointer=RunCheckpointer(
+            output / "checkpoints", keep_last=train_section.keep_last, accelerator=accelerator
+        ),
         output=output,
         curve=LossCurve(),
         peak_flops=train_section.peak_flops
@@ -206,6 +189,34 @@ def _build_engine(
         pretrained=config.model.init_from if job.build_model is None else None,
     )
     return engine, optimizer, scheduler
+
+
+def _check_before_building(config: TrainingConfig, resume: str | None) -> list[str]:
+    """Everything a run refuses before anything is built, so a refusal costs nothing: launch settings
+    the run config would contradict, `model.init_from`, the output directory, and the checkpoint
+    `resume` names with its settings. Returns the previous run's files that train.overwrite replaces."""
+    train_section = config.train
+    refuse_environment_beside("the run config's zero section (a DeepSpeed JSON goes in as zero.deepspeed)")
+    refuse_launch_accumulation_beside(
+        train_section.gradient_accumulation_steps, "train.gradient_accumulation_steps"
+    )
+    check_init_from(config.model.init_from)
+    check_activation_offload(config.model.activation_checkpointing, config.parallel.pipeline)
+    output = Path(train_section.output_dir)
+    checkpoints = output / "checkpoints"
+    resumed = resolve_checkpoint(checkpoints, resume) if resume is not None else None
+    inputs = {"model.init_from": config.model.init_from, "--resume": resumed}
+    previous_run = check_output_directory(output, resumed, train_section.overwrite, inputs)
+    if resumed is not None and not resumed.is_dir():
+        # `latest` names a checkpoint that is gone: with resume_fallback the load takes an older one
+        if not (resume == LATEST and train_section.resume_fallback):
+            raise CheckpointError(
+                f"--resume {resume}: {checkpoints / LATEST} names {resumed.name}, which is not there: set "
+                "train.resume_fallback true to continue from the newest older checkpoint, or resume one by path"
+            )
+    elif resumed is not None:
+        check_resume_settings(resumed, config.to_dict())
+    return previous_run
 
 
 def train_step(run: Run, batches: Iterator[dict[str, torch.Tensor]], step: int) -> dict[str, float]:
