@@ -115,6 +115,16 @@ def config_model_type(path: Path) -> str | None:
     return config.get("model_type")
 
 
+def check_model_config(directory: Path, model_type: str) -> None:
+    """`CheckpointFileError` naming `directory`'s config.json unless it is a readable config of
+    `model_type`: for a damaged one Transformers raises an OSError that names no cause, and it reads
+    another model's config as this one with a warning only."""
+    path = directory / "config.json"
+    found = config_model_type(path)
+    if found != model_type:
+        raise CheckpointFileError(path, f"is a {found!r} model's config, not a {model_type!r} one")
+
+
 def read_index(path: Path) -> dict[str, str]:
     """The weight map (tensor name -> file name) of a safetensors index."""
     index = read_json(path, "the safetensors index")

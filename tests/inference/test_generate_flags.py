@@ -109,3 +109,16 @@ def test_a_dtype_that_disagrees_with_the_zero_config_is_refused(
     error = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(error) == 1
     assert f"--dtype {dtype}" in error[0] and "deepspeed.json" in error[0] and enabled in error[0]
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [("{bad", "is not valid JSON"), ('{"model_type": "gpt2"}', "is a 'gpt2' model's config")],
+)
+def test_a_model_directory_whose_config_is_not_tnlgs_is_named(tmp_path, content, problem):
+    # Transformers raised an OSError naming no cause for a damaged one, and read a GPT-2 config as TNLG's
+    from tnlg.inference.generation import load_model_and_tokenizer
+
+    (tmp_path / "config.json").write_text(content)
+    with pytest.raises(ValueError, match=rf"config.json {problem}"):
+        load_model_and_tokenizer(tmp_path, tokenizer="byte-level")

@@ -48,7 +48,8 @@ from tnlg.inference.ranks import (
     work_share,
 )
 from tnlg.inference.settings import GenerationSettings
-from tnlg.modeling import TNLGForCausalLM
+from tnlg.modeling import TNLGConfig, TNLGForCausalLM
+from tnlg.modeling.loading import check_model_config
 from tnlg.sharding import ZeroConfig, ZeroEngine, initialize, meta_from_pretrained
 from tnlg.sharding.deepspeed import zero_config_from
 
@@ -97,6 +98,7 @@ def load_sharded_model(
         raise ValueError(
             f"{model_dir!r} is not a checkpoint directory: sharded loading reads a saved model's safetensors"
         )
+    check_model_config(path, TNLGConfig.model_type)
     loaded = load_tokenizer_for(path, tokenizer)
     config = sharded_precision(zero_config_from(zero_config), dtype)
     model = meta_from_pretrained(TNLGForCausalLM, path)

@@ -16,6 +16,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from tnlg.data.tokenizer import load_tokenizer
 from tnlg.inference.settings import GenerationSettings
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
+from tnlg.modeling.loading import check_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ def load_model_and_tokenizer(
     """
     loaded = load_tokenizer_for(model, tokenizer)
     if Path(model).is_dir():
+        check_model_config(Path(model), TNLGConfig.model_type)
         network = TNLGForCausalLM.from_pretrained(model, dtype=dtype)
     else:
         config = TNLGConfig.from_preset(

@@ -18,9 +18,7 @@ T = TypeVar("T")
 # What bad input raises: a config value, a file that is missing, damaged or of the wrong kind, a
 # directory a run would overwrite. The library's messages name the setting or the file, so the message
 # alone is what a user needs; anything else is a bug and keeps its traceback.
-# OSError covers the file errors (missing, existing, not a directory, no permission) and Transformers'
-# "can't load the config / weights of X".
-INPUT_ERRORS = (ValueError, OSError)
+INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)
 TRACEBACK_VARIABLE = "TNLG_TRACEBACK"  # =1 shows the traceback of input errors too
 # Launchers poll their processes every 0.1 s (torchrun's and Accelerate's default monitor interval).
 OTHER_RANKS_GRACE_SECONDS = 10.0

@@ -16,6 +16,7 @@ import torch
 from transformers import GPT2Config, PreTrainedModel
 
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
+from tnlg.modeling.loading import check_model_config
 
 from .state_dicts import build_model, load_tensors
 
@@ -155,6 +156,7 @@ def from_gpt2(
                 f"{path} is not a GPT-2 checkpoint directory: it holds no config.json (from_gpt2 reads a "
                 "directory saved by save_pretrained; nothing is downloaded)"
             )
+        check_model_config(path, "gpt2")
         gpt2_config = GPT2Config.from_pretrained(path)
         tensors, source = load_tensors(path), str(path)
     if getattr(gpt2_config, "model_type", None) != "gpt2":

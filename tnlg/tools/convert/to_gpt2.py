@@ -27,6 +27,7 @@ import torch
 from transformers import GenerationConfig, GPT2Config
 
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
+from tnlg.modeling.loading import check_model_config
 from tnlg.sharding.checkpoint import MANIFEST
 from tnlg.sharding.consolidate import consolidate, write_shards
 from tnlg.sharding.pretrained import SafetensorsCheckpoint
@@ -144,6 +145,7 @@ def _export_directory(
         raise FileNotFoundError(
             f"{directory} has no config.json: a GPT-2 export needs the model's TNLG config next to its weights"
         )
+    check_model_config(directory, TNLGConfig.model_type)
     config = TNLGConfig.from_pretrained(directory)
     # The engine's pretrained reader: headers read once, checksums checked, one file open at a time.
     checkpoint = SafetensorsCheckpoint(directory, verify=verify)
