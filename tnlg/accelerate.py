@@ -62,6 +62,7 @@ from torch import nn
 from tnlg.launch_settings import (
     accelerate_parallelism_hidden,
     compile_config_for,
+    from_environment,
     given_accumulation,
     launch_mixed_precision,
     parallel_dims_for,
@@ -172,9 +173,10 @@ class ZeroAccelerator(Accelerator):
         auto = {"mixed_precision": mixed_precision} if mixed_precision else {}
         if accumulation is not None:
             auto["gradient_accumulation_steps"] = accumulation
-        if zero_config is not None and not isinstance(zero_config, DeepSpeedConfig):
-            # settled DeepSpeedConfigs come from the front doors (a run, ZeroTrainer), which check this themselves
-            refuse_environment_beside("ZeroAccelerator(zero_config=...)")
+        if zero_config is not None and not from_environment(zero_config):  # ZeroTrainer passes those on
+            refuse_environment_beside(
+                "ZeroAccelerator(zero_config=...)", "leave zero_config out to take the variable's"
+            )
         settings = (
             settings_from_environment(auto) if zero_config is None else engine_settings(zero_config, **auto)
         )

@@ -26,33 +26,76 @@ def zero_config_from_environment(mixed_precision: str | None = None) -> ZeroConf
     return settings.zero if settings is not None else None
 
 
+# Variables that shape the engine TNLG_ZERO_STAGE selects; a TNLG_ZERO_CONFIG JSON states these itself.
+STAGE_VARIABLES = (
+    "TNLG_ZERO_GRADIENT_CLIPPING",
+    "TNLG_ZERO_OVERLAP_COMM",
+    "TNLG_ZERO_OFFLOAD_OPTIMIZER",
+    "TNLG_ZERO_OFFLOAD_PARAM",
+)
+
+
+def _set_variables() -> dict[str, str]:
+    """The `TNLG_ZERO_*` variables set to something (a stage of "none" selects nothing)."""
+    found = {}
+    for name in (ENV_CONFIG, ENV_STAGE, *STAGE_VARIABLES):
+        value = os.environ.get(name)
+        if (
+            value is not None
+            and value.strip()
+            and not (name == ENV_STAGE and value.strip().lower() == "none")
+        ):
+            found[name] = value
+    return found
+
+
 def environment_selection() -> str | None:
-    """`NAME=value` of the `TNLG_ZERO_*` variable that selects the engine for a launch, or None."""
-    path, stage = os.environ.get(ENV_CONFIG), os.environ.get(ENV_STAGE)
-    if path:
-        return f"{ENV_CONFIG}={path}"
-    if stage is not None and stage.lower() not in ("", "none"):
-        return f"{ENV_STAGE}={stage}"
-    return None
+    """`NAME=value` of the first `TNLG_ZERO_*` variable set (the config, the stage, then the variables
+    that shape the stage), or None."""
+    found = _set_variables()
+    return next((f"{name}={value}" for name, value in found.items()), None)
 
 
-def refuse_environment_beside(given: str) -> None:
-    """ValueError when a `TNLG_ZERO_*` variable selects the engine's settings while `given` (how the
-    caller names its own settings) states them too: the variable would be silently ignored."""
+def from_environment(settings: Any) -> bool:
+    """Whether `settings` (a DeepSpeedConfig) are what the `TNLG_ZERO_*` variables selected, as a front
+    door (ZeroTrainer) that read them passes them on."""
+    return isinstance(settings, DeepSpeedConfig) and settings.source in (
+        ENV_STAGE,
+        os.environ.get(ENV_CONFIG),
+    )
+
+
+def refuse_environment_beside(given: str, remedy: str) -> None:
+    """ValueError when a `TNLG_ZERO_*` variable is set while `given` (how the caller names its own
+    settings) states the engine's settings: the variable would be silently ignored. `remedy`: the
+    caller's other way on, after "unset the variable"."""
     selected = environment_selection()
     if selected is not None:
         raise ValueError(
-            f"{selected} selects the ZeRO engine's settings, but {given} states them too and the variable would "
-            f"be ignored: unset {selected.split('=', 1)[0]}, or leave the settings to it"
+            f"{selected} is set, but {given} states the ZeRO engine's settings and the variable would be "
+            f"ignored: unset {selected.split('=', 1)[0]}, or {remedy}"
         )
 
 
 def settings_from_environment(auto: dict[str, Any]) -> DeepSpeedConfig | None:
     """The engine settings a launch selected through `TNLG_ZERO_*` variables (with a JSON's training
-    part), or None; `auto` fills a DeepSpeed JSON's "auto" values."""
-    path = os.environ.get(ENV_CONFIG)
+    part), or None; `auto` fills a DeepSpeed JSON's "auto" values. A variable that the others would
+    leave unread (a stage beside a JSON, an offload without a stage) is an error naming it."""
+    found = _set_variables()
+    path = found.get(ENV_CONFIG)
     if path:
+        ignored = [name for name in found if name != ENV_CONFIG]
+        if ignored:
+            raise ValueError(
+                f"{ENV_CONFIG}={path} gives the engine's settings whole, so {', '.join(ignored)} would be "
+                "ignored: state them in the JSON, and unset them"
+            )
         return engine_settings(path, **auto)
+    if ENV_STAGE not in found and found:
+        raise ValueError(
+            f"{', '.join(found)} shape the engine {ENV_STAGE} selects, and it is not set: set it too "
+            "(e.g. TNLG_ZERO_STAGE=2), or unset them"
+        )
     mixed_precision = auto.get("mixed_precision")
     stage = os.environ.get(ENV_STAGE)
     if stage is None or stage.lower() in ("", "none"):

@@ -186,7 +186,9 @@ class ZeroTrainer(Trainer):
             auto["mixed_precision"] = mixed_precision
         argument = self._zero_config_argument
         if argument is not None:
-            refuse_environment_beside("ZeroTrainer(zero_config=...)")
+            refuse_environment_beside(
+                "ZeroTrainer(zero_config=...)", "leave zero_config out to take the variable's"
+            )
         settings = settings_from_environment(auto) if argument is None else engine_settings(argument, **auto)
         if settings is None:
             return None

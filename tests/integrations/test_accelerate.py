@@ -8,7 +8,8 @@ import torch
 from tests.support.accelerate_cases import accelerate_loop
 from tnlg import TNLGForCausalLM
 from tnlg.accelerate import ZeroAccelerator, zero_config_from_environment
-from tnlg.sharding import ZeroConfig
+from tnlg.launch_settings import STAGE_VARIABLES
+from tnlg.sharding import DeepSpeedConfig, ZeroConfig
 from tnlg.tools.spawn import run_distributed
 
 
@@ -62,8 +63,13 @@ def test_environment_selects_the_engine(monkeypatch, tmp_path):
     monkeypatch.setenv("TNLG_ZERO_STAGE", "3")
     config = zero_config_from_environment()
     assert (config.stage, config.offload_optimizer, config.offload_param) == (3, "cpu", "cpu")
-    monkeypatch.delenv("TNLG_ZERO_OFFLOAD_OPTIMIZER")
-    monkeypatch.delenv("TNLG_ZERO_OFFLOAD_PARAM")
+    for name in (
+        "TNLG_ZERO_OFFLOAD_OPTIMIZER",
+        "TNLG_ZERO_OFFLOAD_PARAM",
+        "TNLG_ZERO_STAGE",
+        "TNLG_ZERO_GRADIENT_CLIPPING",
+    ):
+        monkeypatch.delenv(name)  # a JSON states them itself: beside it they are refused (below)
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}')
     monkeypatch.setenv("TNLG_ZERO_CONFIG", str(tmp_path / "ds.json"))
     config = zero_config_from_environment("bf16")
@@ -74,15 +80,43 @@ def test_environment_selects_the_engine(monkeypatch, tmp_path):
         zero_config_from_environment()
 
 
-@pytest.mark.parametrize(("variable", "value"), [("TNLG_ZERO_STAGE", "2"), ("TNLG_ZERO_CONFIG", "ds.json")])
-def test_a_zero_config_beside_the_environments_is_refused(monkeypatch, variable, value):
+ZERO_VARIABLES = ("TNLG_ZERO_CONFIG", "TNLG_ZERO_STAGE", *STAGE_VARIABLES)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("TNLG_ZERO_STAGE", "2"), ("TNLG_ZERO_CONFIG", "ds.json"), ("TNLG_ZERO_OFFLOAD_OPTIMIZER", "cpu")],
+)
+@pytest.mark.parametrize(
+    "given", [ZeroConfig(stage=1), DeepSpeedConfig(ZeroConfig(stage=1))], ids=["zero", "ds"]
+)
+def test_a_zero_config_beside_the_environments_is_refused(monkeypatch, variable, value, given):
     # the variable would be ignored: the zero_config argument decides when it is given
-    monkeypatch.delenv("TNLG_ZERO_CONFIG", raising=False)
-    monkeypatch.delenv("TNLG_ZERO_STAGE", raising=False)
+    for name in ZERO_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(variable, value)
-    with pytest.raises(ValueError, match=f"{variable}={value} selects the ZeRO engine's settings, but "
-                       r"ZeroAccelerator\(zero_config=...\) states them too"):  # fmt: skip
-        ZeroAccelerator(zero_config=ZeroConfig(stage=1), cpu=True)
+    with pytest.raises(ValueError, match=rf"{variable}={value} is set, but ZeroAccelerator\(zero_config=\.\.\.\) "
+                       rf"states the ZeRO engine's settings and the variable would be ignored: unset {variable},"):  # fmt: skip
+        ZeroAccelerator(zero_config=given, cpu=True)
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"TNLG_ZERO_CONFIG": "ds.json", "TNLG_ZERO_STAGE": "3"}, "TNLG_ZERO_CONFIG=ds.json gives the engine's "
+         "settings whole, so TNLG_ZERO_STAGE would be ignored"),
+        ({"TNLG_ZERO_OFFLOAD_OPTIMIZER": "cpu"}, "TNLG_ZERO_OFFLOAD_OPTIMIZER shape the engine TNLG_ZERO_STAGE "
+         "selects, and it is not set"),
+    ],
+    ids=["stage-beside-json", "offload-without-stage"],
+)  # fmt: skip
+def test_a_launch_variable_the_others_would_leave_unread_is_refused(monkeypatch, variables, message):
+    for name in ZERO_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        zero_config_from_environment()
 
 
 def test_without_a_zero_config_it_is_a_plain_accelerator(monkeypatch):

@@ -156,7 +156,7 @@ def test_the_engine_is_selected_by_argument_or_environment_and_conflicts_are_nam
     assert found["none"] == "Accelerator"  # nothing asks for ZeRO: the plain Trainer
     assert found["environment"] == ("ZeroAccelerator", 2)
     assert (
-        "TNLG_ZERO_STAGE=2 selects the ZeRO engine's settings, but ZeroTrainer(zero_config=...)"
+        "TNLG_ZERO_STAGE=2 is set, but ZeroTrainer(zero_config=...) states the ZeRO engine's settings"
         in found["both"]
     )
     assert "has no engine/ engine checkpoint" in found["no engine checkpoint"]

@@ -279,7 +279,8 @@ def test_a_launch_variable_selecting_the_engine_is_refused_by_a_run(monkeypatch,
     monkeypatch.setenv("TNLG_ZERO_CONFIG", str(REPO / "configs" / "deepspeed" / "zero3-bf16.json"))
     config = load_run_config(DEBUG, ["--train.output_dir", str(tmp_path / "run")])
     with pytest.raises(
-        ValueError, match=r"TNLG_ZERO_CONFIG=.*zero3-bf16\.json selects .* the run config.s zero"
+        ValueError,
+        match=r"TNLG_ZERO_CONFIG=.*zero3-bf16\.json is set, but the run config.s zero section .* --zero.deepspeed",
     ):
         build_run(config, TrainingJob(name="pretrain", seq_len=8, tokenizer="byte-level", batches=iter(())))
     assert not (tmp_path / "run").exists()

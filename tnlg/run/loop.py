@@ -196,7 +196,9 @@ def _check_before_building(config: TrainingConfig, resume: str | None) -> list[s
     the run config would contradict, `model.init_from`, the output directory, and the checkpoint
     `resume` names with its settings. Returns the previous run's files that train.overwrite replaces."""
     train_section = config.train
-    refuse_environment_beside("the run config's zero section (a DeepSpeed JSON goes in as zero.deepspeed)")
+    refuse_environment_beside(
+        "the run config's zero section", "give a DeepSpeed JSON as --zero.deepspeed PATH"
+    )
     refuse_launch_accumulation_beside(
         train_section.gradient_accumulation_steps, "train.gradient_accumulation_steps"
     )
