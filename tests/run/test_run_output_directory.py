@@ -93,7 +93,7 @@ def test_a_failed_gpt2_export_keeps_the_previous_one(tmp_path, monkeypatch):
             '{"model_type": "gpt2", "n_layer": 2}',
             r"holds a 'gpt2' model, not a 'tnlg' one: .* --from gpt2 --input",
         ),
-        ('{"n_layer": 2}', r"holds a None model, not a 'tnlg' one"),
+        ('{"n_layer": 2}', r"holds a None model, not a 'tnlg' one: tnlg converts GPT-2, Megatron-LM and"),
         ("{not json", r"config.json is not valid JSON"),
         ("[1, 2]", r"config.json holds a JSON list, not a model config"),
     ],

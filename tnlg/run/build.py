@@ -95,11 +95,15 @@ def check_init_from(init_from: str | None) -> None:
         # Transformers would read another model's config.json as a TNLG one, with a warning only: a
         # GPT-2 directory became the default TNLG architecture (estimates of the wrong model, or a
         # misleading vocabulary error)
-        convert = "--from gpt2 " if model_type == "gpt2" else ""
+        convert = (
+            f"convert it first (scripts/convert_checkpoint.py --from gpt2 --input {init_from} --output DIR) "
+            "and start from DIR"
+            if model_type == "gpt2"
+            else "tnlg converts GPT-2, Megatron-LM and DeepSpeed checkpoints (scripts/convert_checkpoint.py "
+            "--from gpt2 | megatron | deepspeed), and starts from the directory it writes"
+        )
         raise ValueError(
-            f"model.init_from {init_from} holds a {model_type!r} model, not a {TNLGConfig.model_type!r} one: "
-            f"convert it first (scripts/convert_checkpoint.py {convert}--input {init_from} --output DIR) and "
-            "start from DIR"
+            f"model.init_from {init_from} holds a {model_type!r} model, not a {TNLGConfig.model_type!r} one: {convert}"
         )
 
 
