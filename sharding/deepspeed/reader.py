@@ -121,8 +121,14 @@ def mapping_kind(config: Mapping[str, Any]) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 # A DeepSpeed config read whole: the ZeroConfig sections through `SectionReader`, the rest here.
-def load_deepspeed(config: Mapping[str, Any] | str | Path, **auto: Any) -> DeepSpeedConfig:
+def load_deepspeed(
+    config: Mapping[str, Any] | str | Path, *, defaults: Mapping[str, Any] | None = None, **auto: Any
+) -> DeepSpeedConfig:
     """Read a DeepSpeed config (dict or JSON file) whole; see [Note: DeepSpeed keys] in keys.py.
+
+    `defaults`: ZeroConfig fields for what the config leaves unset, in place of ZeroConfig's own (a
+    run's default stage), applied before the fields are checked together; they do not count as the
+    config's own (`zero_sources`).
 
     `"auto"` values take the matching keyword from `auto` (ZeroConfig fields, `initial_scale_power`,
     and the three batch keys) or else the default (ZeroConfig's; unset for batch keys). In the
@@ -131,7 +137,7 @@ def load_deepspeed(config: Mapping[str, Any] | str | Path, **auto: Any) -> DeepS
     """
     config, source = _read_config(config)
     with _naming(source):
-        return _load(config, source, auto)
+        return _load(config, source, auto, defaults)
 
 
 def parse_deepspeed(config: Mapping[str, Any] | str | Path, **auto: Any) -> tuple[ZeroConfig, list[str]]:
@@ -162,7 +168,9 @@ def _read_config(config: Mapping[str, Any] | str | Path) -> tuple[Mapping[str, A
     return config, source
 
 
-def _load(config: Mapping[str, Any], source: str, auto: Mapping[str, Any]) -> DeepSpeedConfig:
+def _load(
+    config: Mapping[str, Any], source: str, auto: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+) -> DeepSpeedConfig:
     reader = SectionReader(auto, extra_auto=BATCH_KEYS)
     training: dict[str, Any] = {}
     if "bf16" in config and "bfloat16" in config:
@@ -187,7 +195,7 @@ def _load(config: Mapping[str, Any], source: str, auto: Mapping[str, Any]) -> De
             f"invalid DeepSpeed config: unknown keys {', '.join(reader.unknown)}; tnlg refuses keys it does "
             "not know rather than train without them"
         )
-    zero = reader.zero_config()
+    zero = reader.zero_config(defaults)
     _check_communication_dtype(config.get("communication_data_type"), zero)
     loaded = DeepSpeedConfig(
         zero,

@@ -152,11 +152,12 @@ class SectionReader:
                 path, key, raw, FP16_RULES, ["enabled", "loss_scale", "initial_scale_power", *FP16_KEYS]
             )
 
-    def zero_config(self) -> ZeroConfig:
+    def zero_config(self, defaults: Mapping[str, Any] | None = None) -> ZeroConfig:
+        """The ZeroConfig of the keys read, `defaults` filling the fields they leave unset."""
         if len(self.enabled) > 1:
             raise ValueError("invalid DeepSpeed config: bf16.enabled and fp16.enabled are both true")
         try:
-            return ZeroConfig(**self.values)
+            return ZeroConfig(**{**(defaults or {}), **self.values})
         except ValueError as error:
             raise ValueError(f"invalid DeepSpeed config: {error}") from error
 

@@ -259,8 +259,18 @@ def test_a_deepspeed_json_fills_what_the_run_leaves_unset(tmp_path):
         ({"zero_optimization": {"overlap_comm": True}}, [], RUN_DEFAULT_STAGE),
         ({"zero_optimization": {"stage": 0}}, [], 0),
         ({"zero_optimization": {"overlap_comm": True}}, ["--zero.stage", "1"], 1),
+        # checked at the run's stage, not at DeepSpeed's 0 (where offloading has nothing to offload)
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, [], RUN_DEFAULT_STAGE),
+        ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, ["--zero.stage", "3"], 3),
     ],
-    ids=["no-zero-section", "no-stage-key", "json-stage-0", "run-stage-1"],
+    ids=[
+        "no-zero-section",
+        "no-stage-key",
+        "json-stage-0",
+        "run-stage-1",
+        "offload",
+        "offload-param-stage-3",
+    ],
 )
 def test_a_run_takes_its_default_stage_when_neither_it_nor_the_json_names_one(
     tmp_path, json_config, overrides, stage

@@ -421,13 +421,14 @@ class _ZeroSectionBase:
             except ValueError as error:
                 raise ValueError(f"zero: {error}") from error
             return DeepSpeedConfig(zero, source="the run config's zero section")
-        loaded = load_deepspeed(self.deepspeed, mixed_precision=mixed_precision)
-        # A JSON that names no stage means DeepSpeed's 0 to DeepSpeed; a run means its own default.
-        unnamed = "stage" not in loaded.zero_sources and "stage" not in explicit
-        settings = loaded.with_overrides(
-            {"stage": RUN_DEFAULT_STAGE, **explicit} if unnamed else explicit,
-            {name: f"zero.{name}" for name in explicit},
-        ).with_mixed_precision(mixed_precision, f"train.mixed_precision {mixed_precision}")
+        # A JSON that names no stage means DeepSpeed's 0 to DeepSpeed; to a run, the run's stage (its
+        # own default unless zero.stage says), applied before the JSON's fields are checked together.
+        defaults = {"stage": explicit.get("stage", RUN_DEFAULT_STAGE)}
+        settings = (
+            load_deepspeed(self.deepspeed, defaults=defaults, mixed_precision=mixed_precision)
+            .with_overrides(explicit, {name: f"zero.{name}" for name in explicit})
+            .with_mixed_precision(mixed_precision, f"train.mixed_precision {mixed_precision}")
+        )
         # A run builds its AdamW and warmup-cosine schedule from the optimizer section; a second one from
         # the JSON would be ignored or would fight it.
         for section in ("optimizer", "scheduler"):
