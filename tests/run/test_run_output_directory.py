@@ -24,6 +24,22 @@ def _used(directory):
 def test_resuming_its_own_checkpoint_continues_the_run(tmp_path):
     run = _used(tmp_path / "run")
     assert check_output_directory(run, run / "checkpoints" / "step-00000002", False, NO_INPUTS) == []
+    # a step directory that is a link to other storage is still this run's
+    (tmp_path / "elsewhere").mkdir()
+    (run / "checkpoints" / "step-00000004").symlink_to(tmp_path / "elsewhere")
+    assert check_output_directory(run, run / "checkpoints" / "step-00000004", False, NO_INPUTS) == []
+
+
+def test_overwrite_with_a_resume_of_the_same_run_is_refused(tmp_path):
+    # the overwrite was silently not applied: the run continued and removed nothing
+    run = _used(tmp_path / "run")
+    link = tmp_path / "link"
+    link.symlink_to(run / "checkpoints")  # through a link too
+    for resumed in (run / "checkpoints" / "step-00000002", link / "step-00000002"):
+        with pytest.raises(
+            ValueError, match=r"continues the run in train.output_dir .*, which train.overwrite"
+        ):
+            check_output_directory(run, resumed, True, {"--resume": resumed})
 
 
 def test_resuming_another_runs_checkpoint_into_a_used_directory_is_refused(tmp_path):
@@ -46,9 +62,9 @@ def test_overwrite_refuses_to_remove_the_runs_own_inputs(tmp_path):
     with pytest.raises(ValueError, match=r"model.init_from .*/run/model lies in the previous run's model"):
         check_output_directory(run, None, True, {"model.init_from": run / "model"})
     link = tmp_path / "link"
-    link.symlink_to(run / "checkpoints")  # through a link too
-    with pytest.raises(ValueError, match=r"--resume .* lies in the previous run's checkpoints"):
-        check_output_directory(run, None, True, {"--resume": link / "step-00000002"})
+    link.symlink_to(run / "model")  # through a link too
+    with pytest.raises(ValueError, match=r"model.init_from .*link lies in the previous run's model"):
+        check_output_directory(run, None, True, {"model.init_from": link})
     elsewhere = _used(tmp_path / "elsewhere")
     assert check_output_directory(run, None, True, {"model.init_from": elsewhere / "model"}) == [
         "checkpoints", "loss_curve.json", "model",

@@ -27,15 +27,22 @@ def check_output_directory(
     output: Path, resumed: Path | None, overwrite: bool, inputs: Mapping[str, str | Path | None]
 ) -> list[str]:
     """The previous run's files in `output` that this run replaces (train.overwrite), or [] when there is
-    none or the run continues it (`resumed`, the checkpoint it resumes, lies in `output`'s checkpoints).
+    none or the run continues it (`resumed`, the checkpoint it resumes, is one of `output`'s checkpoints).
 
     Refused before anything is built: an `output` that is not a directory; a new run into a used
     directory without train.overwrite, a resume of another directory's checkpoint included (it would
-    replace this directory's checkpoints and model with another run's); and with train.overwrite, one of
-    the run's `inputs` ({setting: path}) inside a file it would remove."""
+    replace this directory's checkpoints and model with another run's); train.overwrite with a resume of
+    this run (which of the two was meant?); and with train.overwrite, one of the run's `inputs`
+    ({setting: path}) inside a file it would remove."""
     if output.exists() and not output.is_dir():
         raise NotADirectoryError(f"train.output_dir {output} is a file, not a directory: choose another")
-    if resumed is not None and _inside(resumed, output / "checkpoints"):
+    # a checkpoint of this run's own (the step directory itself may be a link to other storage)
+    if resumed is not None and _inside(resumed.parent, output / "checkpoints"):
+        if overwrite:
+            raise ValueError(
+                f"--resume {resumed} continues the run in train.output_dir {output}, which train.overwrite "
+                "true would replace: drop one of them"
+            )
         return []
     found = sorted(name for name in RUN_FILES if (output / name).exists())
     if found and not overwrite:
