@@ -60,6 +60,13 @@ CACHE_DIR_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 COMPILED_MARK = "_tnlg_compiled_block"
 
 
+# torch's own backends that take options only to log "ignoring extra kwargs" and compile without them
+# (torch 2.13); others (tvm, a third party's) may read them. A mode is inductor's alone.
+IGNORE_OPTIONS = frozenset(
+    {"eager", "aot_eager", "aot_eager_decomp_partition", "aot_eager_default_partitioner", "cudagraphs"}
+)
+
+
 @dataclass(frozen=True)
 class CompileConfig:
     """How `initialize` compiles each block (see [Note: compiled blocks]): `torch.compile`'s own
@@ -82,16 +89,27 @@ class CompileConfig:
             )
         if self.mode is not None and self.mode not in COMPILE_MODES:
             raise ValueError(f"compile mode {self.mode!r} is not one of {', '.join(COMPILE_MODES)}")
-        if self.backend != "inductor" and (self.mode is not None or self.options):
-            # torch's other backends log "ignoring extra kwargs" and compile as if neither were given
+        ignored = self._ignored_by_the_backend()
+        if ignored:
+            them = "them" if len(ignored) > 1 else "it"
             raise ValueError(
-                f"compile mode and options are inductor's: backend {self.backend!r} ignores them; remove them, "
-                "or compile with backend 'inductor'"
+                f"compile {' and '.join(ignored)}: backend {self.backend!r} ignores {them} (a mode is inductor's); "
+                f"remove {them}, or compile with backend 'inductor'"
             )
         if self.mode is not None and self.options:
             raise ValueError("give compile mode or options, not both (torch.compile takes one of them)")
         if self.options:
             _check_options(self.compile_kwargs())
+
+    def _ignored_by_the_backend(self) -> list[str]:
+        """The settings given that the backend would drop: a mode (inductor's alone; "default" is none),
+        and options for a backend of `IGNORE_OPTIONS`."""
+        if self.backend == "inductor":
+            return []
+        ignored = ["mode"] if self.mode not in (None, "default") else []
+        if self.options and self.backend in IGNORE_OPTIONS:
+            ignored.append("options")
+        return ignored
 
     @property
     def uses_cuda_graphs(self) -> bool:

@@ -274,10 +274,16 @@ def compile_config_for(given: CompileConfig | None, plugin: TorchDynamoPlugin) -
             f"compile_config and Accelerate's dynamo_backend={plugin.backend.value.lower()!r} both ask for "
             "torch.compile: give one (launch with --dynamo_backend no to keep compile_config's)"
         )
-    return CompileConfig(
-        backend=plugin.backend.value.lower(),
-        mode=plugin.mode if plugin.mode not in (None, "default") else None,
-        fullgraph=bool(plugin.fullgraph),
-        dynamic=plugin.dynamic,
-        options=dict(plugin.options or {}),
-    )
+    backend = plugin.backend.value.lower()
+    try:
+        return CompileConfig(
+            backend=backend,
+            mode=plugin.mode if plugin.mode not in (None, "default") else None,
+            fullgraph=bool(plugin.fullgraph),
+            dynamic=plugin.dynamic,
+            options=dict(plugin.options or {}),
+        )
+    except ValueError as error:  # named by where it was set: accelerate launch / accelerate config
+        raise ValueError(
+            f"Accelerate's dynamo settings (dynamo_backend {backend}, dynamo_mode {plugin.mode}): {error}"
+        ) from error

@@ -247,11 +247,11 @@ def test_a_forward_set_on_a_block_is_not_compiled_over():
         # torch's other backends log "ignoring extra kwargs" and compile without them
         (
             {"backend": "aot_eager", "mode": "reduce-overhead"},
-            r"inductor's: backend 'aot_eager' ignores them",
+            r"compile mode: backend 'aot_eager' ignores it \(a mode is inductor's\)",
         ),
         (
             {"backend": "eager", "options": {"max_autotune": True}},
-            r"inductor's: backend 'eager' ignores them",
+            r"compile options: backend 'eager' ignores it",
         ),
         # torch.compile's own checks of the options, made when the setting is given, not at compile time
         (
@@ -315,6 +315,11 @@ def test_accelerates_dynamo_settings_become_the_engines():
     assert compile_config_for(given, TorchDynamoPlugin(backend="no")) is given
     with pytest.raises(ValueError, match=r"compile_config and Accelerate's dynamo_backend='inductor' both"):
         compile_config_for(given, plugin)
+    # a launch's settings the backend would ignore are named by where they were set
+    ignored = TorchDynamoPlugin(backend="aot_eager", mode="max-autotune")
+    with pytest.raises(ValueError, match=r"Accelerate's dynamo settings \(dynamo_backend aot_eager, dynamo_mode "
+                       r"max-autotune\): compile mode: backend 'aot_eager' ignores it"):  # fmt: skip
+        compile_config_for(None, ignored)
 
 
 @pytest.mark.slow
@@ -339,3 +344,14 @@ def test_a_later_process_reads_the_compiled_graphs_from_the_cache(tmp_path):
     assert any(path.is_file() for path in tmp_path.rglob("*"))  # the cache is where it was told to be
     again = run_distributed(fresh_compile_counts, 1, str(tmp_path))[0]
     assert again["hits"] >= 1 and again["misses"] == 0
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"backend": "eager", "mode": "default"},  # torch.compile's "no mode"
+        {"backend": "tvm", "options": {"scheduler": "default"}},  # tvm reads its options
+    ],
+)
+def test_what_a_backend_reads_is_taken(fields):
+    assert CompileConfig(**fields).compile_kwargs()["backend"] == fields["backend"]

@@ -50,10 +50,10 @@ class CompileSection:
     """`enabled` compiles each decoder block with torch.compile inside the engine (never the whole model;
     see [Note: compiled blocks] in tnlg/sharding/compile.py), with torch.compile's `backend`, `mode`,
     `fullgraph`, `dynamic` and `options` (inductor's settings, `torch._inductor.list_options()`, by their
-    dotted names or nested: `triton: {cudagraphs: true}`; a mode or options, not both, and only with
-    backend inductor: torch's other backends ignore them). `cache_dir` is where inductor keeps the compiled graphs, so that a resumed
-    run reads them and skips most of the compiling; by default `compile_cache` in the run's output
-    directory. It is set for the whole process, as inductor's cache is (its `TORCHINDUCTOR_CACHE_DIR`)."""
+    dotted names or nested: `triton: {cudagraphs: true}`; a mode or options, not both; a mode only with
+    backend inductor, and no options with the debugging backends, which ignore them). `cache_dir` is
+    where inductor keeps the compiled graphs, so that a resumed run reads them and skips most of the
+    compiling; by default `compile_cache` in the run's output directory. It is set for the whole process, as inductor's cache is (its `TORCHINDUCTOR_CACHE_DIR`)."""
 
     enabled: bool = False
     backend: str = "inductor"
