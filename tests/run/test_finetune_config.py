@@ -66,3 +66,31 @@ def test_a_dataset_config_is_taken_for_a_datasets_dataset():
         None, ["--data.dataset", "abisee/cnn_dailymail", "--data.dataset_config", "3.0.0"]
     )
     assert (config.data.dataset, config.data.dataset_config) == ("abisee/cnn_dailymail", "3.0.0")
+
+
+def test_a_dataset_config_for_a_saved_dataset_is_refused(tmp_path):
+    # load_from_disk reads a save_to_disk directory whole: the configuration was accepted and dropped
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    with pytest.raises(
+        ValueError, match=r"a dataset saved with save_to_disk .* has none: remove data.dataset_config"
+    ):
+        load_finetune_config(
+            None, ["--data.dataset", str(tmp_path / "saved"), "--data.dataset_config", "3.0.0"]
+        )
+
+
+def test_both_validation_sources_are_named_before_the_files_rules(tmp_path):
+    # with data.paths, the files' own rule said "give the held-out files as data.validation_paths", as given
+    overrides = [
+        "--data.paths",
+        "[a.jsonl]",
+        "--data.validation_paths",
+        "[b.jsonl]",
+        "--data.validation_split",
+        "v",
+    ]
+    with pytest.raises(
+        ValueError, match=r"data.validation_split 'v' and data.validation_paths are both given"
+    ):
+        load_finetune_config(None, overrides)

@@ -131,7 +131,7 @@ def load_rows(
         return _load_files(dataset or builder_for([str(f) for f in files]), dataset_config, files)
     datasets = require_datasets(f"reading the fine-tuning dataset {dataset!r}")
     local = Path(dataset)
-    if local.is_dir() and any((local / n).is_file() for n in ("dataset_info.json", "dataset_dict.json")):
+    if is_saved_dataset(dataset):
         loaded = datasets.load_from_disk(str(local))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
@@ -147,6 +147,12 @@ def load_rows(
     if len(loaded) == 0:
         raise ValueError(f"{name} holds no rows: no examples")
     return Rows(loaded, [(name, len(loaded))])
+
+
+def is_saved_dataset(dataset: str) -> bool:
+    """Whether `dataset` is a directory `save_to_disk` wrote (read with `load_from_disk`)."""
+    local = Path(dataset)
+    return local.is_dir() and any((local / n).is_file() for n in ("dataset_info.json", "dataset_dict.json"))
 
 
 def validation_rows(

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tnlg.data.finetune import BUILDERS, EMBEDDED_PREFIX
+from tnlg.data.finetune import BUILDERS, EMBEDDED_PREFIX, is_saved_dataset
 from tnlg.data.tasks import TaskFormat
 from tnlg.inference.settings import GenerationSettings, setting_problems
 from tnlg.run.config import LoggingSection, TrainingConfig, TrainSection
@@ -79,14 +79,14 @@ class FinetuneDataSection:
             self.dataset = EMBEDDED_DEFAULT
             if self.validation_split is None and not self.validation_paths:
                 self.validation_split = "validation"
-        if self.paths:
-            self._check_paths_alone()
         if self.validation_split and self.validation_paths:
             raise ValueError(
                 f"data.validation_split {self.validation_split!r} and data.validation_paths are both given, and "
                 "the files would be read in place of the split: give one of them (--data.validation_split null "
                 "to hold out the files instead of a config's split)"
             )
+        if self.paths:
+            self._check_paths_alone()
         if self.dataset_config is not None:
             self._check_dataset_config()
         if self.on_long_example not in ("stop", "skip"):
@@ -123,6 +123,8 @@ class FinetuneDataSection:
             reader = f"the embedded set {self.dataset!r} has"
         elif self.dataset in FILE_BUILDERS:
             reader = f"data files read by the {self.dataset} builder have"
+        elif is_saved_dataset(self.dataset):
+            reader = f"{self.dataset}, a dataset saved with save_to_disk (read whole by load_from_disk), has"
         else:
             return
         raise ValueError(
