@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -48,8 +49,8 @@ from tnlg.sharding.consolidate import consolidate, parse_size
 from tnlg.tools.convert import copy_tokenizer_files, export_gpt2, from_deepspeed, from_gpt2, from_megatron
 from tnlg.tools.convert.outputs import (
     refuse_a_file_in_the_way,
+    refuse_a_linked_output,
     refuse_a_used_directory,
-    refuse_an_output_that_cannot_be_moved,
     refuse_output_overlapping_input,
     staged_output,
 )
@@ -187,9 +188,11 @@ def _verifies_checksums(args: argparse.Namespace) -> bool:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # Absolute, links kept: "." has no name to stage beside and rename (it failed after the conversion).
+    args.output = Path(os.path.abspath(args.output))
     inputs = {"--input": args.input, "--tokenizer-dir": args.tokenizer_dir, "--config": args.config}
     refuse_output_overlapping_input(inputs, args.output)
-    refuse_an_output_that_cannot_be_moved(args.output)
+    refuse_a_linked_output(args.output)
     refuse_a_file_in_the_way(args.output)
     if not args.overwrite:
         refuse_a_used_directory(args.output, "pass --overwrite to replace it, or write into a new directory")

@@ -60,22 +60,27 @@ def test_overwrite_refuses_an_output_holding_another_input(tmp_path, gpt2_dir):
     assert (output / "tokenizer" / "README").read_text() == "the only copy"
 
 
-def test_an_output_that_cannot_be_renamed_into_place_is_refused_before_converting(
-    tmp_path, gpt2_dir, monkeypatch
-):
-    # found only after the conversion: EBUSY renaming the working directory, a stray rename of a link
+def test_a_linked_output_is_refused_before_converting(tmp_path, gpt2_dir):
+    # the conversion finished, then renaming the link aside failed and left a stray directory
     target = tmp_path / "target"
     target.mkdir()
     (target / "kept").write_text("kept")
     (tmp_path / "link").symlink_to(target)
     with pytest.raises(ValueError, match=r"--output .*link is a symbolic link: name the directory itself"):
         convert_gpt2(gpt2_dir, tmp_path / "link", "--overwrite")
-    monkeypatch.chdir(target)
-    with pytest.raises(ValueError, match=r"--output \. is the working directory or holds it"):
-        convert_gpt2(gpt2_dir, Path("."), "--overwrite")
-    assert snapshot(target) == {"kept": b"kept"} and sorted(p.name for p in tmp_path.iterdir()) == [
-        "gpt2", "link", "target",
-    ]  # fmt: skip
+    assert snapshot(target) == {"kept": b"kept"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2", "link", "target"]
+
+
+def test_the_working_directory_as_output_is_replaced_whole(tmp_path, gpt2_dir, monkeypatch):
+    # "." has no name to stage beside: the rename failed (EBUSY) after the whole conversion
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "old").write_text("an older model's file")
+    monkeypatch.chdir(work)
+    convert_gpt2(gpt2_dir, Path("."), "--overwrite")
+    assert TNLGForCausalLM.from_pretrained(work).config.vocab_size == VOCAB
+    assert not (work / "old").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["gpt2", "work"]
 
 
 def test_consolidating_into_the_checkpoint_is_refused(tmp_path):

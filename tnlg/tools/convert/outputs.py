@@ -33,19 +33,12 @@ def refuse_a_file_in_the_way(output: Path) -> None:
         raise FileExistsError(f"{output} is a file, not a directory: name a directory for the output")
 
 
-def refuse_an_output_that_cannot_be_moved(output: Path) -> None:
-    """ValueError when `output` cannot be renamed into place (see [Note: conversion outputs]), which a
-    conversion would find only after its work: a symbolic link (the link, not its target, would be
-    replaced) or the working directory or one holding it."""
+def refuse_a_linked_output(output: Path) -> None:
+    """ValueError when `output` is a symbolic link: the link, not its target, would be renamed aside and
+    replaced (see [Note: conversion outputs]), which a conversion would find only after its work."""
     if output.is_symlink():
         raise ValueError(
             f"--output {output} is a symbolic link: name the directory itself ({output.resolve()})"
-        )
-    working = Path.cwd().resolve()
-    if output.resolve() == working or output.resolve() in working.parents:
-        raise ValueError(
-            f"--output {output} is the working directory or holds it, which cannot be replaced: name a new "
-            "directory for the converted model"
         )
 
 
@@ -101,8 +94,8 @@ def _move_into_place(staging: Path, output: Path, replace: bool) -> None:
 
 __all__ = [
     "refuse_a_file_in_the_way",
+    "refuse_a_linked_output",
     "refuse_a_used_directory",
-    "refuse_an_output_that_cannot_be_moved",
     "refuse_output_overlapping_input",
     "staged_output",
 ]
