@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -94,6 +95,21 @@ def test_a_resumed_run_keeps_the_whole_loss_curve(finished_run, cache, tmp_path)
     (again,) = _run(cache, copy, resume="latest")
     assert again["losses"] == pytest.approx(losses, rel=1e-6)
     assert json.loads((copy / "loss_curve.json").read_text())["steps"] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_resume_fallback_takes_the_newest_checkpoint_before_a_latest_that_is_gone(
+    finished_run, cache, tmp_path
+):
+    output, losses = finished_run
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(output), str(copy)], check=True)
+    (copy / "checkpoints" / "latest").write_text(json.dumps({"checkpoint": "step-00000006"}))
+    (refused,) = _run(cache, copy, resume="latest")
+    assert "latest names step-00000006, which is not there" in refused["error"]
+    shutil.rmtree(copy / "checkpoints" / "step-00000004")  # the fallback must reach step 2, and retrain 3-4
+    (result,) = _run(cache, copy, "--train.resume_fallback", "true", resume="latest")
+    assert result["losses"] == pytest.approx(losses, rel=1e-6)
 
 
 @pytest.mark.slow
