@@ -27,3 +27,15 @@ def test_validation_rows_without_room_for_a_prompt_stop_the_run_before_training(
         TaskExamples(config).batches(byte_level_tokenizer(), 0, 1)
     config.evaluation.after_training = False  # no generation: nothing to check
     assert TaskExamples(config).batches(byte_level_tokenizer(), 0, 1) is not None
+
+
+def test_a_used_output_directory_is_refused_before_the_data_is_read(tmp_path):
+    # the validation rows were read first (here: a missing file named), then the output directory refused
+    from tnlg.run.finetune import finetune
+
+    (tmp_path / "run" / "model").mkdir(parents=True)
+    absent = tmp_path / "absent.jsonl"
+    overrides = ["--data.paths", f"[{absent}]", "--data.validation_paths", f"[{absent}]"]
+    config = load_finetune_config(None, ["--train.output_dir", str(tmp_path / "run"), *overrides])
+    with pytest.raises(FileExistsError, match=r"train.output_dir .*run already holds a run \(model\)"):
+        finetune(config)

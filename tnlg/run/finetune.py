@@ -16,9 +16,8 @@ from typing import Any
 from tnlg.data.finetune import FinetuneBatches, encode_rows, load_rows, validation_rows
 from tnlg.data.tokenizer import pad_id
 from tnlg.eval.tasks import EvaluationRows, evaluation_rows, target_loss, task_metrics
-from tnlg.run.build import check_init_from
 from tnlg.run.finetune_config import FinetuneConfig
-from tnlg.run.loop import TrainingJob, train
+from tnlg.run.loop import TrainingJob, check_before_building, train
 from tnlg.run.lora import lora_model, save_lora_model
 
 logger = logging.getLogger(__name__)
@@ -26,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 def finetune(config: FinetuneConfig, resume: str | None = None) -> dict[str, Any]:
     """Fine-tune per `config`; returns the losses, the saved model's directory and the evaluation."""
-    check_init_from(config.model.init_from)  # before any data is read
+    check_before_building(config, resume)  # before any data is read (build_run checks again, at no cost)
     examples = TaskExamples(config)
     if examples.held_out is None:
         logger.warning("no validation data (data.validation_split / validation_paths): no evaluation")
