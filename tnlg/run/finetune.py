@@ -10,14 +10,15 @@ the validation rows, and written to `<output_dir>/evaluation.json`.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
-from tnlg.data.finetune import FinetuneBatches, encode_rows, load_rows, validation_rows
+from tnlg.data.finetune import FinetuneBatches, Rows, encode_rows, load_rows, validation_rows
 from tnlg.data.tokenizer import pad_id
 from tnlg.eval.tasks import EvaluationRows, evaluation_rows, target_loss, task_metrics
 from tnlg.run.finetune_config import FinetuneConfig
-from tnlg.run.loop import TrainingJob, check_before_building, train
+from tnlg.run.loop import TrainingJob, train
 from tnlg.run.lora import lora_model, save_lora_model
 
 logger = logging.getLogger(__name__)
@@ -25,11 +26,10 @@ logger = logging.getLogger(__name__)
 
 def finetune(config: FinetuneConfig, resume: str | None = None) -> dict[str, Any]:
     """Fine-tune per `config`; returns the losses, the saved model's directory and the evaluation."""
-    check_before_building(config, resume)  # before any data is read (build_run checks again, at no cost)
-    examples = TaskExamples(config)
-    if examples.held_out is None:
+    examples = TaskExamples(config)  # reads nothing yet: build_run's refusals come first
+    evaluating = examples.evaluating
+    if not evaluating:
         logger.warning("no validation data (data.validation_split / validation_paths): no evaluation")
-    evaluating = examples.held_out is not None
     job = TrainingJob(
         name="fine-tuning",
         seq_len=examples.task.max_length,
@@ -59,11 +59,18 @@ class TaskExamples:
     def __init__(self, config: FinetuneConfig):
         data = config.data
         self.config, self.task = config, config.task.format()
-        self.held_out = validation_rows(
-            data.dataset, data.validation_paths, data.validation_split, data.dataset_config
-        )
+        self.evaluating = bool(data.validation_paths or data.validation_split)
         self._encoded: dict[str, Any] = {}
         self._generation_rows: EvaluationRows | None = None
+
+    @functools.cached_property
+    def held_out(self) -> Rows | None:
+        """The validation rows (None without validation data), read on first use: in `batches`, once the
+        run has made its refusals."""
+        data = self.config.data
+        return validation_rows(
+            data.dataset, data.validation_paths, data.validation_split, data.dataset_config
+        )
 
     def _examples(self, tokenizer, where: str, rows, limit: int | None):
         if where not in self._encoded:

@@ -107,7 +107,7 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
     batches, and (with `resume`) everything restored from a checkpoint."""
     train_section = config.train
     output = Path(train_section.output_dir)
-    previous_run = check_before_building(config, resume)
+    previous_run = _check_before_building(config, resume)
     engine_settings = config.zero.engine_settings(train_section.mixed_precision)
     check_deepspeed_micro_batch(engine_settings, train_section.micro_batch_size)
     accelerator = ZeroAccelerator(
@@ -191,7 +191,7 @@ def _build_engine(
     return engine, optimizer, scheduler
 
 
-def check_before_building(config: TrainingConfig, resume: str | None) -> list[str]:
+def _check_before_building(config: TrainingConfig, resume: str | None) -> list[str]:
     """Everything a run refuses before anything is built, so a refusal costs nothing: launch settings
     the run config would contradict, `model.init_from`, the output directory, and the checkpoint
     `resume` names with its settings. Returns the previous run's files that train.overwrite replaces."""
