@@ -54,6 +54,8 @@ from tnlg.eval.suite import (
 from tnlg.eval.tasks import EvaluationRows, evaluation_rows
 from tnlg.inference.distributed import DTYPES, sharding_from_flags
 from tnlg.inference.ranks import rank_and_world
+from tnlg.modeling import TNLGConfig
+from tnlg.modeling.loading import check_model_config
 from tnlg.run.cli import configure_logging, exit_on_input_error
 from tnlg.run.finetune_config import FinetuneConfig, load_finetune_config
 from tnlg.sharding import ZeroConfig
@@ -241,6 +243,31 @@ def refuse_replacing_other_files_results(target: Path | None, sources: dict[str,
             )
 
 
+def refuse_other_windows(target: Path | None, args: argparse.Namespace) -> None:
+    """ValueError when eval_results.json holds a perplexity of one of the --perplexity files measured
+    with another window (max_length / stride): its figure, a different measurement of the same text,
+    would be replaced. The default window is the model's positions (its config.json)."""
+    earlier = earlier_results(target) if target is not None else {}
+    names = [f"perplexity:{path.name}" for path in args.perplexity]
+    measured = {name: earlier[name] for name in names if isinstance(earlier.get(name), dict)}
+    measured = {name: entry for name, entry in measured.items() if entry.get("max_length") is not None}
+    if not measured:
+        return
+    max_length = args.max_length
+    if max_length is None:
+        check_model_config(Path(args.model), TNLGConfig.model_type)
+        max_length = TNLGConfig.from_pretrained(args.model).max_position_embeddings
+    window = {"max_length": max_length, "stride": args.stride or max_length}
+    for name, entry in measured.items():
+        before = {key: entry.get(key) for key in window}
+        if before != window:
+            raise ValueError(
+                f"{target} already holds {name} measured with max_length {before['max_length']} / stride "
+                f"{before['stride']}, not {window['max_length']} / {window['stride']} as this run would: saving "
+                "would replace it; move the earlier results away to replace them"
+            )
+
+
 def check_harness_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--harness needs --tasks, an existing --include-path, one process and lm-eval installed."""
     if not args.tasks or not [name for name in args.tasks.split(",") if name.strip()]:
@@ -370,6 +397,7 @@ def main(argv: list[str] | None = None) -> dict:
     manager = task_manager(tasks, args.include_path) if args.harness else None
     target = results_path(args.model)  # a damaged earlier results file stops us before the evaluations
     refuse_replacing_other_files_results(target, result_sources(args))
+    refuse_other_windows(target, args)
     planned = planned_measurements(args, config, tasks)
     refuse_other_measurements(target, planned)
     inputs = read_inputs(args, config)

@@ -10,6 +10,7 @@ import pytest
 
 from scripts.evaluate import main, parse_arguments
 from tnlg.eval.suite import save_results
+from tnlg.modeling import TNLGConfig
 
 
 def refusal(argv: list[str], capsys) -> str:
@@ -91,6 +92,36 @@ def test_an_earlier_result_of_another_file_of_the_same_name_is_kept(tmp_path):
     with pytest.raises(ValueError, match="a different file than"):
         main(["--model", str(tmp_path), "--perplexity", str(tmp_path / "new" / "notes.txt")])
     assert json.loads((tmp_path / "eval_results.json").read_text()) == earlier
+
+
+def test_an_earlier_perplexity_of_another_window_is_kept(tmp_path, monkeypatch):
+    # the same text scored with another window is another figure: it was replaced without a word
+    import scripts.evaluate as script
+
+    text = tmp_path / "notes.txt"
+    text.write_text("some text to score")
+    earlier = {
+        "perplexity:notes.txt": {"source": str(text), "max_length": 64, "stride": 64, "perplexity": 3.0}
+    }
+    (tmp_path / "eval_results.json").write_text(json.dumps(earlier))
+    with pytest.raises(
+        ValueError, match=r"measured with max_length 64 / stride 64, not 32 / 32 as this run would"
+    ):
+        main(["--model", str(tmp_path), "--perplexity", str(text), "--max-length", "32"])
+    assert json.loads((tmp_path / "eval_results.json").read_text()) == earlier
+
+    class Loaded(Exception):
+        pass
+
+    def load(*args):
+        raise Loaded
+
+    monkeypatch.setattr(script, "load_for_evaluation", load)
+    with pytest.raises(Loaded):  # the same window, or the model's own positions (64 here): on to the model
+        main(["--model", str(tmp_path), "--perplexity", str(text), "--max-length", "64"])
+    TNLGConfig.from_preset("debug", max_position_embeddings=64).save_pretrained(tmp_path)
+    with pytest.raises(Loaded):
+        main(["--model", str(tmp_path), "--perplexity", str(text)])
 
 
 def test_an_interrupted_save_keeps_the_earlier_results(tmp_path, monkeypatch):

@@ -17,8 +17,9 @@ With several processes (`accelerate launch`, torchrun) the model is sharded by t
 every evaluation splits its work across the ranks; results are gathered, the same on every rank.
 Results are written next to the checkpoint (`eval_results.json`, one entry per evaluation, merged
 with earlier ones) and printed as a table. An entry records what it was measured on (a file's
-`source`; a task's or lm-eval task's `measured_on`), and an earlier entry of the same name measured on
-something else is never replaced (`refuse_other_measurements`): the run is refused before it starts.
+`source` and a perplexity's window; a task's or lm-eval task's `measured_on`), and an earlier entry of
+the same name measured on something else is never replaced (`refuse_other_measurements`; the file and
+window checks are scripts/evaluate.py's): the run is refused before it starts.
 """
 
 from __future__ import annotations
