@@ -96,21 +96,18 @@ def settings_from_environment(auto: dict[str, Any]) -> DeepSpeedConfig | None:
             f"{', '.join(found)} shape the engine {ENV_STAGE} selects, and it is not set: set it too "
             "(e.g. TNLG_ZERO_STAGE=2), or unset them"
         )
-    mixed_precision = auto.get("mixed_precision")
-    stage = os.environ.get(ENV_STAGE)
-    if stage is None or stage.lower() in ("", "none"):
+    if ENV_STAGE not in found:
         return None
-    fields: dict[str, Any] = {"stage": _parse_int(ENV_STAGE, stage)}
-    if "TNLG_ZERO_GRADIENT_CLIPPING" in os.environ:
-        fields["gradient_clipping"] = float(os.environ["TNLG_ZERO_GRADIENT_CLIPPING"])
-    if "TNLG_ZERO_OVERLAP_COMM" in os.environ:
-        fields["overlap_comm"] = os.environ["TNLG_ZERO_OVERLAP_COMM"].lower() in ("1", "true", "yes")
+    fields: dict[str, Any] = {"stage": _parse_int(ENV_STAGE, found[ENV_STAGE])}
+    if "TNLG_ZERO_GRADIENT_CLIPPING" in found:
+        fields["gradient_clipping"] = float(found["TNLG_ZERO_GRADIENT_CLIPPING"])
+    if "TNLG_ZERO_OVERLAP_COMM" in found:
+        fields["overlap_comm"] = found["TNLG_ZERO_OVERLAP_COMM"].lower() in ("1", "true", "yes")
     for name in ("offload_optimizer", "offload_param"):
-        value = os.environ.get(f"TNLG_ZERO_{name.upper()}")
-        if value:
-            fields[name] = value.lower()
-    if mixed_precision:
-        fields["mixed_precision"] = mixed_precision
+        if f"TNLG_ZERO_{name.upper()}" in found:
+            fields[name] = found[f"TNLG_ZERO_{name.upper()}"].lower()
+    if auto.get("mixed_precision"):
+        fields["mixed_precision"] = auto["mixed_precision"]
     return DeepSpeedConfig(ZeroConfig(**fields), source=ENV_STAGE)
 
 

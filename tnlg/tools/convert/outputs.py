@@ -48,10 +48,9 @@ def refuse_output_overlapping_input(inputs: Mapping[str, Path | None], output: P
     conversion reads."""
     target = output.resolve()
     for flag, path in inputs.items():
-        if path is None:
-            continue
-        source = path.resolve()
-        if source == target or source in target.parents or target in source.parents:
+        if path is not None and (
+            target.is_relative_to(path.resolve()) or path.resolve().is_relative_to(target)
+        ):
             raise ValueError(
                 f"--output {output} overlaps {flag} {path} (the same path, inside it or holding it): write the "
                 "converted model to a directory apart from what it reads"
