@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from tests.support import REPO
-from tnlg.run.checkpoint import changed_settings, check_resume_settings
+from tnlg.run.checkpoint import changed_settings, check_resume_candidates
 from tnlg.run.config import load_run_config
+from tnlg.sharding.checkpoint import CheckpointError
 from tnlg.tools.spawn import run_distributed
 
 DEBUG = REPO / "configs" / "pretrain" / "debug.yaml"
@@ -46,8 +47,50 @@ def _checkpoint(directory: Path, *overrides: str) -> Path:
 def test_a_resume_that_changes_a_fixed_setting_is_refused_naming_it(tmp_path, overrides, changed):
     checkpoint = _checkpoint(tmp_path / "step-00000002")
     with pytest.raises(ValueError, match="the checkpoint was trained with other settings") as error:
-        check_resume_settings(checkpoint, _config(*overrides))
+        check_resume_candidates([checkpoint], _config(*overrides))
     assert changed in str(error.value)
+
+
+def test_resume_fallback_checks_the_older_checkpoints_before_building(tmp_path):
+    # `latest` names a checkpoint that is gone: the run skipped the check, the load fell back to step 2,
+    # and the changed settings applied to its data position (a changed seq_len failed mid-run naming
+    # array shapes, a changed shuffle buffer ran silently)
+    from tnlg.run.loop import TrainingJob, build_run
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    _checkpoint(checkpoints / "step-00000002", "--train.output_dir", str(tmp_path / "run"))
+    (checkpoints / "latest").write_text('{"checkpoint": "step-00000004"}')
+    config = load_run_config(
+        DEBUG,
+        [
+            "--train.output_dir",
+            str(tmp_path / "run"),
+            "--train.resume_fallback",
+            "true",
+            "--data.seq_len",
+            "64",
+        ],
+    )
+    job = TrainingJob(name="pretrain", seq_len=64, tokenizer="byte-level", batches=iter(()))
+    with pytest.raises(
+        ValueError, match=r"step-00000002: the checkpoint was trained with other settings"
+    ) as error:
+        build_run(config, job, resume="latest")
+    assert "data.seq_len: 128 -> 64" in str(error.value)
+
+
+def test_with_a_fallback_a_damaged_run_config_is_left_to_the_load(tmp_path, caplog):
+    # the load skips a checkpoint whose config.json is damaged (it reads the file), so the check does too;
+    # without a fallback the damage is refused by name, and so is a fallback with nothing older
+    newest = _checkpoint(tmp_path / "step-00000004")
+    (newest / "config.json").write_text('{"model": ')
+    older = _checkpoint(tmp_path / "step-00000002", "--data.seq_len", "64")
+    with pytest.raises(CheckpointError, match=r"config\.json is not valid JSON"):
+        check_resume_candidates([newest], _config())
+    with caplog.at_level("WARNING"), pytest.raises(ValueError, match=r"data\.seq_len: 64 -> 128"):
+        check_resume_candidates([newest, older], _config())
+    assert "the fallback skips this checkpoint" in caplog.text
+    check_resume_candidates([newest, older], _config("--data.seq_len", "64"))
 
 
 @pytest.mark.parametrize(

@@ -192,9 +192,37 @@ def _compared(key: str, old: dict[str, Any], new: dict[str, Any]) -> bool:
     return any(".".join(parts[:end]) in old for end in range(1, len(parts)))
 
 
-def check_resume_settings(checkpoint: Path, config: dict[str, Any]) -> None:
-    """Refuse to resume `checkpoint` under a `config` that changes a setting it fixed (see [Note: settings
-    a resume may change]); a checkpoint without its run config is resumed with a warning."""
+def resume_candidates(root: Path, named: Path, fallback: bool) -> list[Path]:
+    """The checkpoints a resume may load, in the order it tries them: `named`, then with
+    train.resume_fallback the older step directories under `root`, newest first."""
+    if not fallback:
+        return [named]
+    older = (path for path in root.glob("step-*") if path.is_dir() and path.name < named.name)
+    return [named, *sorted(older, reverse=True)]
+
+
+def check_resume_candidates(candidates: list[Path], config: dict[str, Any]) -> None:
+    """Refuse to resume under a `config` that changes a setting the checkpoints fixed (see [Note: settings
+    a resume may change]), for every one of `candidates` that is there, before anything is built: whichever
+    the load ends on, the run is not a mix of two configs. A checkpoint without its run config is resumed
+    with a warning. With several (a fallback), one whose config.json is damaged is left to the load,
+    which skips it as it skips any damaged checkpoint."""
+    for candidate in candidates:
+        if not candidate.is_dir():
+            continue
+        try:
+            _refuse_changed_settings(candidate, config)
+        except CheckpointError as error:
+            if len(candidates) == 1:
+                raise
+            logger.warning("%s (the fallback skips this checkpoint)", error)
+    logger.info(
+        "resuming: model, data and optimizer settings are the checkpoint's (unchanged); layout, batch split, "
+        "precision, max_steps, logging, evaluation and saving follow this run's config"
+    )
+
+
+def _refuse_changed_settings(checkpoint: Path, config: dict[str, Any]) -> None:
     recorded = checkpoint / "config.json"
     if not recorded.is_file():
         logger.warning("%s records no run config: the resumed settings cannot be checked", checkpoint)
@@ -206,11 +234,6 @@ def check_resume_settings(checkpoint: Path, config: dict[str, Any]) -> None:
             "resume with the checkpoint's values, or start a new run (a resume may change only the layout, "
             "ZeRO, batch split, precision, train.max_steps, and logging, evaluation and saving)"
         )
-    logger.info(
-        "resuming %s: model, data and optimizer settings are the checkpoint's (unchanged); layout, batch "
-        "split, precision, max_steps, logging, evaluation and saving follow this run's config",
-        checkpoint,
-    )
 
 
 class RunCheckpointer:
@@ -261,11 +284,7 @@ class RunCheckpointer:
         """Restore `which` (`latest` or a directory); with `fallback`, a damaged `latest` gives way to the
         newest older checkpoint that loads (each failure is logged with its reason)."""
         path = self.resolve(which)
-        candidates = [path]
-        if fallback and which == LATEST:
-            candidates += sorted(
-                (p for p in self.root.glob("step-*") if p.is_dir() and p.name < path.name), reverse=True
-            )
+        candidates = resume_candidates(self.root, path, fallback and which == LATEST)
         for index, candidate in enumerate(candidates):
             try:
                 return self._load(candidate, engine, scheduler)
@@ -293,6 +312,8 @@ class RunCheckpointer:
                 logger.warning("%s has no %s: the loss curve starts at the resumed step", path, CURVE_FILE)
                 curve = LossCurve()
             (scheduler_state,) = read_scheduler_states(path, 1)
+            if (path / "config.json").exists():  # what the resume's settings were checked against
+                read_checkpoint_json(path / "config.json")
             return scheduler_state, read_rank_state(path, own_rank), curve
 
         # Everything is read (and every rank agrees it could be) before anything is restored: a damaged

@@ -35,7 +35,13 @@ from tnlg.run.activations import (
     offloaded_activations,
 )
 from tnlg.run.build import check_init_from, meta_model, model_config, run_tokenizer
-from tnlg.run.checkpoint import LATEST, RunCheckpointer, check_resume_settings, resolve_checkpoint
+from tnlg.run.checkpoint import (
+    LATEST,
+    RunCheckpointer,
+    check_resume_candidates,
+    resolve_checkpoint,
+    resume_candidates,
+)
 from tnlg.run.config import TrainingConfig, pipeline_parts
 from tnlg.run.launch_checks import check_ranks_run_the_same_job
 from tnlg.run.metrics import LossCurve, flat_hyperparameters, peak_flops_per_device, tracker_names
@@ -209,15 +215,14 @@ def _check_before_building(config: TrainingConfig, resume: str | None) -> list[s
     resumed = resolve_checkpoint(checkpoints, resume) if resume is not None else None
     inputs = {"model.init_from": config.model.init_from, "--resume": resumed}
     previous_run = check_output_directory(output, resumed, train_section.overwrite, inputs)
-    if resumed is not None and not resumed.is_dir():
-        # `latest` names a checkpoint that is gone: with resume_fallback the load takes an older one
-        if not (resume == LATEST and train_section.resume_fallback):
+    if resumed is not None:
+        fallback = resume == LATEST and train_section.resume_fallback
+        if not resumed.is_dir() and not fallback:  # with the fallback, the load takes an older one
             raise CheckpointError(
                 f"--resume {resume}: {checkpoints / LATEST} names {resumed.name}, which is not there: set "
                 "train.resume_fallback true to continue from the newest older checkpoint, or resume one by path"
             )
-    elif resumed is not None:
-        check_resume_settings(resumed, config.to_dict())
+        check_resume_candidates(resume_candidates(checkpoints, resumed, fallback), config.to_dict())
     return previous_run
 
 
