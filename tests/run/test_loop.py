@@ -62,3 +62,34 @@ def test_two_micro_batches_of_four_step_like_one_batch_of_eight(accumulated_and_
         # summation-order difference times up to the step size (here ~1e-4); the grad norm above
         # already pins the gradient's scale, which Adam's update alone would not show.
         torch.testing.assert_close(value, whole["state"][name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _overflowing_steps(rank, world_size, cache, output, pipeline):
+    """Three fp16 steps of the debug run at a loss scale so large that every one overflows; each step's
+    metrics and the schedule's position after them."""
+    from tnlg.run.loop import train_step
+
+    run = build_debug_run(
+        cache,
+        [
+            "--train.output_dir", output, "--logging.trackers", "[]", "--data.shuffle_buffer", "1",
+            "--train.mixed_precision", "fp16", "--zero.initial_loss_scale", str(2.0**40),
+            "--zero.hysteresis", "1", "--parallel.pipeline", str(pipeline),
+        ],
+    )  # fmt: skip
+    batches = iter(run.stream)
+    metrics = [train_step(run, batches, step) for step in range(3)]
+    skipped = run.engine.step_was_skipped
+    run.engine.close()
+    return {"metrics": metrics, "schedule_steps": run.scheduler.last_epoch, "skipped": skipped}
+
+
+@pytest.mark.parametrize("pipeline", [1, 2], ids=["data-parallel", "pipeline-stages"])
+def test_an_overflow_skipped_step_holds_the_schedule_back(cache, tmp_path, pipeline):
+    # the loop stepped the schedule whenever the loss was finite, which an fp16 overflow leaves it: the
+    # learning rate warmed up through steps that applied no update (DeepSpeed's schedule holds back)
+    results = run_distributed(_overflowing_steps, pipeline, str(cache), str(tmp_path), pipeline, timeout=300)
+    for result in results:
+        lrs, scales = [m["lr"] for m in result["metrics"]], [m["loss_scale"] for m in result["metrics"]]
+        assert result["skipped"] and scales == [2.0**39, 2.0**38, 2.0**37]  # every step overflowed
+        assert result["schedule_steps"] == 0 and lrs == [lrs[0]] * 3

@@ -258,7 +258,9 @@ def train_step(run: Run, batches: Iterator[dict[str, torch.Tensor]], step: int) 
                     run.nonfinite_steps += 1
                     _handle_nonfinite_loss(run, step + 1, mean_loss)
             run.optimizer.zero_grad()  # a skipped step's gradients are dropped here
-    if finite:
+    # An fp16 overflow (or a NaN gradient under a finite loss) makes the engine skip the update: the
+    # schedule holds back with it, as DeepSpeed's does, so the learning rate follows the updates applied.
+    if finite and not run.engine.step_was_skipped:
         run.scheduler.step()
     return _step_metrics(run, mean_loss, step_tokens, started)
 
@@ -280,7 +282,8 @@ def _pipeline_train_step(run: Run, batches: Iterator[dict[str, torch.Tensor]], s
         float(sum(batch["input_ids"].numel() for batch in micro_batches)) * accelerator.data_parallel_size
     )
     if math.isfinite(mean_loss):
-        run.scheduler.step()
+        if not run.engine.step_was_skipped:  # an overflow skipped the update: the schedule holds back
+            run.scheduler.step()
     else:
         run.nonfinite_steps += 1
         _handle_nonfinite_loss(run, step + 1, mean_loss)  # "stop" raises
