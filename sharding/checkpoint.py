@@ -121,11 +121,11 @@ __all__ = [  # the checkpoint names callers import from here, wherever they are 
     "engine_directory",
     "is_sliced",
     "load_engine",
-    "numeric_hyperparameters",
     "rank_file",
     "read_manifest",
     "read_on_every_rank",
     "save_engine",
+    "saved_hyperparameters",
     "saved_params",
     "scalar_state_device",
     "tensor_layout",
@@ -435,6 +435,9 @@ def load_engine(
         zip(engine.groups, loaded, strict=True)
     ):
         group.master.copy_(master)
+        # A checkpoint saved before the first step holds no state: the engine's own moments (and step
+        # count) go too, or its next update would differ from a fresh engine's loading the same file.
+        optimizer.state.pop(group.master, None)
         if state:
             optimizer.state[group.master] = state
         if hyperparameters is None:
@@ -522,7 +525,7 @@ def _read_group(
     live_group = optimizer.param_groups[group_index]
     param_groups = saved.manifest["param_groups"]
     hyperparameters = (
-        numeric_hyperparameters(param_groups[hyperparameter_source], live_group)
+        saved_hyperparameters(param_groups[hyperparameter_source], live_group)
         if hyperparameter_source is not None
         else None
     )
@@ -591,12 +594,20 @@ def check_same_optimizer(directory: Path, saved: str | None, live: torch.optim.O
     )
 
 
-def numeric_hyperparameters(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
-    """A saved param group's numeric hyperparameters (lr, betas' scalars, ...) the live group has."""
+# Keys of a param group that say how torch's optimizer runs, not what it computes: the live engine's
+# stand (a group saved with foreach on a GPU loads into an offloaded engine's optimizer); param_names
+# are the user's parameters', which the engine's groups replaced by flat masters.
+NOT_HYPERPARAMETERS = frozenset({"foreach", "fused", "capturable", "differentiable", "param_names"})
+
+
+def saved_hyperparameters(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    """A saved param group's hyperparameters that the live group has (lr, betas, eps, weight_decay,
+    amsgrad, maximize, momentum, ...: all of them, as torch's Optimizer.load_state_dict takes them
+    back), each in the live group's type (JSON holds a tuple such as betas as a list)."""
     return {
-        key: value
+        key: tuple(value) if isinstance(live[key], tuple) and isinstance(value, list) else value
         for key, value in saved.items()
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and key in live
+        if key in live and key not in NOT_HYPERPARAMETERS
     }
 
 

@@ -211,7 +211,8 @@ class ShardedOptimizer:
             factor *= min(1.0, clip / (norm + 1e-6))
         if self.host_adam is not None:
             self._host_adam_step(factor)
-        elif self.fused_backend is not None:
+        elif self.fused_backend is not None and steps_like_adam(self.optimizer):
+            # asked again each step: a checkpoint's hyperparameters (maximize) may have left the kernel's reach
             self._fused_adam_step(factor)
         else:
             self._optimizer_step(factor)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import check_same_parameters, numeric_hyperparameters, scalar_state_device
+from ..checkpoint import check_same_parameters, saved_hyperparameters, scalar_state_device
 from ..checkpoint_files import MANIFEST, CheckpointError
 from ..engine_state import EngineState
 from .zero_checkpoint import ADAM_KEYS, DeepSpeedZeroState, deepspeed_tag_directory, read_deepspeed_checkpoint
@@ -105,5 +105,5 @@ def _group_state(
     adam = {"step": torch.tensor(float(step), device=device), **moments}
     same_groups = sources and len(state.param_groups) == len(state.group_names)
     saved = state.param_groups[sources.pop()] if same_groups else {}
-    hyperparameters = numeric_hyperparameters(saved, optimizer.param_groups[index])
+    hyperparameters = saved_hyperparameters(saved, optimizer.param_groups[index])
     return master, adam, hyperparameters

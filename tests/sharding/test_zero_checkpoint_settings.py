@@ -86,6 +86,41 @@ def test_loading_into_the_same_param_groups_restores_the_saved_hyperparameters(t
     assert _hyperparameters(engine) == [(0.1, 1e-3), (0.0, 5e-4)]
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_every_saved_hyperparameter_comes_back_in_its_type(tmp_path, stage):
+    # only int and float values came back: betas (a list in JSON) and amsgrad (a bool) stayed the live
+    # group's, so the group was a mix of two optimizers (and amsgrad's saved max moment went unused)
+    saved = _saved(
+        tmp_path,
+        optimizer_of=lambda m: torch.optim.AdamW(
+            m.parameters(), lr=1e-2, betas=(0.5, 0.6), eps=1e-3, amsgrad=True
+        ),
+        stage=stage,
+    )
+    engine = _engine(_adamw, stage=stage)
+    engine.load_checkpoint(saved)
+    (group,) = engine.base_optimizer.param_groups
+    assert (group["lr"], group["betas"], group["eps"], group["amsgrad"]) == (1e-2, (0.5, 0.6), 1e-3, True)
+    _train_one_step(engine)  # the restored amsgrad steps with the restored max moment
+
+
+def test_a_checkpoint_without_optimizer_state_clears_the_engines_own(tmp_path):
+    # a checkpoint saved before the first step: the trained engine kept its moments and step count
+    engine = _engine(_adamw, stage=2)
+    engine.save_checkpoint(tmp_path / "untrained")
+    _train_one_step(engine)
+    assert engine.base_optimizer.state[engine.groups[0].master]
+    engine.load_checkpoint(tmp_path / "untrained")
+    assert not engine.base_optimizer.state.get(engine.groups[0].master)
+    fresh = _engine(_adamw, stage=2)
+    fresh.load_checkpoint(tmp_path / "untrained")
+    for each in (engine, fresh):
+        torch.manual_seed(1)  # the same batch
+        _train_one_step(each)
+    for name, value in fresh.full_state_dict().items():
+        assert torch.equal(engine.full_state_dict()[name], value), name
+
+
 # ---------------------------------------------------------------------------------------- optimizer class
 def test_another_optimizers_state_is_refused_naming_both(tmp_path):
     saved = _saved(tmp_path, stage=1)

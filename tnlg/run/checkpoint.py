@@ -125,8 +125,8 @@ def find_engine_checkpoint(path: str | Path) -> Path:
 
 
 # [Note: settings a resume may change]
-# A checkpoint restores the model, the optimizer state with its param groups' numeric hyperparameters
-# (lr, weight decay, eps: sharding/checkpoint.py's numeric_hyperparameters), the schedule and the data
+# A checkpoint restores the model, the optimizer state with its param groups' hyperparameters
+# (lr, betas, eps, weight decay, ...: sharding/checkpoint.py's saved_hyperparameters), the schedule and the data
 # position; the new config gives everything else. So that no run is a silent mix of two configs, a
 # resume refuses any setting that differs from the checkpoint's config.json, except the ones below:
 # how the same computation is laid out and run (checkpoints load at any parallel layout, ZeRO stage,
