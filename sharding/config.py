@@ -29,7 +29,8 @@ class ZeroConfig:
         communication; fp32 master weights and optimizer state).
     initial_loss_scale, loss_scale_window, hysteresis, min_loss_scale: fp16 dynamic loss scaling:
         start at `initial_loss_scale`; an overflow skips the step and halves the scale once
-        `hysteresis` overflows have been absorbed (never below `min_loss_scale`); `loss_scale_window`
+        `hysteresis` overflows have been absorbed (never below `min_loss_scale`: an overflow that would
+        halve it there raises `LossScaleError`, as DeepSpeed's scaler does); `loss_scale_window`
         overflow-free steps double it.
     static_loss_scale: a fixed fp16 loss scale instead of the dynamic one.
     gradient_clipping: clip the global gradient norm to this value; 0 disables clipping.

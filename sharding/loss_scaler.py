@@ -5,12 +5,18 @@ from __future__ import annotations
 from .config import ZeroConfig
 
 
+class LossScaleError(FloatingPointError):
+    """fp16 gradients overflow even at the minimum loss scale."""
+
+
 class LossScaler:
     """The factor the loss is multiplied by before backward (1.0 unless fp16).
 
     Dynamic scaling (DeepSpeed's rule): an overflow skips the step; the first `hysteresis - 1`
     overflows since the last growth are absorbed, every further one halves the scale (not below
     `min_loss_scale`); `loss_scale_window` clean steps in a row double it and re-arm the hysteresis.
+    An overflow that would halve a scale already at the minimum raises `LossScaleError`, as DeepSpeed's
+    scaler does: from there every step would be skipped, and the run would go on training nothing.
     """
 
     def __init__(self, config: ZeroConfig):
@@ -33,6 +39,12 @@ class LossScaler:
             self._clean_steps = 0
             if self._overflows_left > 1:
                 self._overflows_left -= 1  # absorbed by hysteresis
+            elif self.scale <= self.min_scale:
+                raise LossScaleError(
+                    f"the fp16 gradients overflowed at the minimum loss scale {self.min_scale} "
+                    "(min_loss_scale): the steps would all be skipped from here. Look for the cause (a "
+                    "learning rate too high, bad data), train in bf16, or lower min_loss_scale"
+                )
             else:
                 self.scale = max(self.scale / 2.0, self.min_scale)  # and every further overflow halves
             return
