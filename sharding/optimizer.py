@@ -202,7 +202,13 @@ class ShardedOptimizer:
         self.global_grad_norm = norm
         if not math.isfinite(norm):
             self.step_was_skipped = True
+            attempted = self.loss_scaler.scale
             self.loss_scaler.update(overflow=True)
+            if self.collectives.rank == 0:  # every rank skips alike: one line says so
+                logger.info(
+                    "step skipped: the gradient norm is %s at loss scale %g (now %g)",
+                    norm, attempted, self.loss_scaler.scale,
+                )  # fmt: skip
             return False
         # Unscaling and clipping fold into one multiply of the fp32 gradient copy.
         factor = 1.0 / self.loss_scaler.scale

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
-from tnlg.sharding import ZeroConfig
+from tnlg.sharding import ZeroConfig, initialize
 from tnlg.sharding.loss_scaler import LossScaleError, LossScaler
 
 
@@ -48,3 +50,19 @@ def test_an_overflow_at_the_minimum_scale_stops_the_run_as_deepspeeds_does():
     with pytest.raises(LossScaleError, match=r"overflowed at the minimum loss scale 2\.0 \(min_loss_scale\)"):
         scaler.update(True)
     assert scaler.scale == 2.0
+
+
+def test_a_skipped_step_is_logged_with_its_scales(caplog):
+    # the skip showed only as a NaN gradient norm in the run's metrics, if those were logged at all
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    engine = initialize(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        ZeroConfig(stage=1, mixed_precision="fp16", initial_loss_scale=2.0**40, hysteresis=1),
+    )
+    with caplog.at_level("INFO", logger="tnlg.sharding.optimizer"):
+        engine.backward(engine(torch.randn(2, 4).half()).float().sum())
+        engine.step()
+    assert engine.step_was_skipped
+    assert "step skipped: the gradient norm is nan at loss scale 1.09951e+12 (now 5.49756e+11)" in caplog.text
