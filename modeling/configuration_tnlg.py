@@ -33,6 +33,13 @@ class _DefaultTokenId(int):
 
 # GPT-2's <|endoftext|>, TNLG's default beginning and end of text.
 GPT2_END_OF_TEXT = _DefaultTokenId(GPT2_VOCAB_SIZE - 1)
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def in_vocabulary(value: int | list[int] | None, vocab_size: int) -> bool:
+    """Whether a token id field (None, an id, or a list of ids) names only rows of the vocabulary."""
+    ids = value if isinstance(value, list) else [value]
+    return all(i is None or (isinstance(i, int) and 0 <= i < vocab_size) for i in ids)
 
 
 @dataclass(frozen=True)
@@ -142,7 +149,7 @@ class TNLGConfig(PreTrainedConfig):
         for name in ("bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             if isinstance(value, _DefaultTokenId):  # a plain int from here on: it is saved and compared
-                fits = isinstance(self.vocab_size, int) and 0 <= value < self.vocab_size
+                fits = isinstance(self.vocab_size, int) and in_vocabulary(int(value), self.vocab_size)
                 setattr(self, name, int(value) if fits else None)
         super().__post_init__(**kwargs)
         self.check_architecture()
@@ -186,14 +193,22 @@ class TNLGConfig(PreTrainedConfig):
             raise ValueError(
                 f"TNLGConfig.fused_kernels must be one of {list(FUSED_CHOICES)}, got {self.fused_kernels!r}"
             )
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            ids = value if isinstance(value, list) else [value]
-            if any(i is not None and not (isinstance(i, int) and 0 <= i < self.vocab_size) for i in ids):
-                raise ValueError(
-                    f"TNLGConfig.{name} {value!r} is outside the vocabulary [0, {self.vocab_size}); set it to an id "
-                    "below vocab_size or None"
-                )
+        self.check_token_ids()
+
+    def check_token_ids(self) -> None:
+        """Raise `ValueError` naming every special token id (bos, eos, pad) that names no row of the
+        vocabulary: no token the model produces could be it."""
+        outside = [
+            f"TNLGConfig.{name} {getattr(self, name)!r}"
+            for name in TOKEN_ID_FIELDS
+            if not in_vocabulary(getattr(self, name), self.vocab_size)
+        ]
+        if outside:
+            verb = "is" if len(outside) == 1 else "are"
+            raise ValueError(
+                f"{' and '.join(outside)} {verb} outside the vocabulary [0, {self.vocab_size}): set each to an "
+                "id below vocab_size, or None"
+            )
 
     def check_tensor_parallel(self, degree: int) -> None:
         """Raise `ValueError` unless tensor slicing of `degree` cuts whole heads, MLP columns and

@@ -60,6 +60,7 @@ class CheckpointMismatchError(ValueError):
         unexpected: Iterable[str] = (),
         mis_shaped: Iterable[tuple[str, tuple[int, ...], tuple[int, ...]]] = (),
         source: str = "checkpoint",
+        way_out: str = "",
     ):
         self.missing, self.unexpected = sorted(missing), sorted(unexpected)
         self.mis_shaped = sorted(mis_shaped)
@@ -70,6 +71,8 @@ class CheckpointMismatchError(ValueError):
             lines.append(f"  unexpected ({len(self.unexpected)}): {', '.join(self.unexpected)}")
         for name, got, want in self.mis_shaped:
             lines.append(f"  mis-shaped: {name} has shape {list(got)}, the model expects {list(want)}")
+        if way_out:
+            lines.append(f"  {way_out}")
         super().__init__("\n".join(lines))
 
 
@@ -115,14 +118,24 @@ def config_model_type(path: Path) -> str | None:
     return config.get("model_type")
 
 
+# How a directory of one model type (found, wanted) becomes the other: named in the refusal.
+_WAYS_IN = {
+    ("gpt2", "tnlg"): "convert it first, with tnlg.tools.convert.from_gpt2 or "
+    "`scripts/convert_checkpoint.py --from gpt2`",
+}
+
+
 def check_model_config(directory: Path, model_type: str) -> None:
     """`CheckpointFileError` naming `directory`'s config.json unless it is a readable config of
     `model_type`: for a damaged one Transformers raises an OSError that names no cause, and it reads
-    another model's config as this one with a warning only."""
+    another model's config as this one with a warning only. The message names the way in where one
+    exists (a GPT-2 directory for a TNLG model: the converter)."""
     path = directory / "config.json"
     found = config_model_type(path)
     if found != model_type:
-        raise CheckpointFileError(path, f"is a {found!r} model's config, not a {model_type!r} one")
+        way_in = _WAYS_IN.get((found, model_type))
+        problem = f"is a {found!r} model's config, not a {model_type!r} one"
+        raise CheckpointFileError(path, f"{problem}: {way_in}" if way_in else problem)
 
 
 def read_index(path: Path) -> dict[str, str]:
@@ -334,8 +347,19 @@ def replacing_weight_files(directory: Path, variant: str | None = None) -> Itera
 
 
 # ---------------------------------------------------------------------------------------------- strictness
-def raise_on_mismatch(loading_info: dict, source: str) -> None:
-    """Raise `CheckpointMismatchError` if Transformers' loading info reports any mismatch."""
+# The `from_pretrained` keywords that load a mismatched checkpoint anyway, each for its own kind of
+# mismatch: with `strict=False` alone Transformers itself refuses mis-shaped tensors.
+_WAYS_OUT = (
+    "to load it anyway, as Transformers does: strict=False initialises missing tensors randomly and drops "
+    "unexpected ones; ignore_mismatched_sizes=True initialises mis-shaped ones randomly"
+)
+
+
+def raise_on_mismatch(loading_info: dict, source: str, *, ignore_mismatched_sizes: bool = False) -> None:
+    """Raise `CheckpointMismatchError` if Transformers' loading info reports any mismatch that
+    `from_pretrained` was not asked to accept: with `ignore_mismatched_sizes` (the caller's explicit
+    choice), mis-shaped tensors were re-initialised as Transformers does, and only missing or
+    unexpected ones are refused."""
     missing = loading_info.get("missing_keys") or ()
     unexpected = loading_info.get("unexpected_keys") or ()
     mis_shaped = [
@@ -344,8 +368,10 @@ def raise_on_mismatch(loading_info: dict, source: str) -> None:
         else (str(entry), (), ())
         for entry in loading_info.get("mismatched_keys") or ()
     ]
+    if ignore_mismatched_sizes:
+        mis_shaped = []
     if missing or unexpected or mis_shaped:
-        raise CheckpointMismatchError(missing, unexpected, mis_shaped, source)
+        raise CheckpointMismatchError(missing, unexpected, mis_shaped, source, _WAYS_OUT)
 
 
 def saved_output_layer(directory: Path, variant: str | None = None) -> torch.Tensor | None:

@@ -30,7 +30,9 @@ from transformers.utils.output_capturing import capture_outputs
 from . import fused_ops, tensor_parallel
 from .configuration_tnlg import TNLGConfig, has_dropout
 from .loading import (
+    check_model_config,
     check_weight_files,
+    config_model_type,
     raise_on_mismatch,
     replacing_weight_files,
     saved_output_layer,
@@ -246,7 +248,9 @@ class TNLGPreTrainedModel(PreTrainedModel):
     ):
         """Transformers' `from_pretrained`, failing on missing, unexpected or mis-shaped tensors.
 
-        With `strict=False` it behaves as in Transformers (random init for missing tensors). With
+        With `strict=False` it behaves as in Transformers (random init for missing tensors); with
+        `ignore_mismatched_sizes=True`, as there, mis-shaped tensors are initialised randomly (and
+        reported), while missing or unexpected ones are still refused unless `strict=False`. With
         `output_loading_info=True` it returns `(model, loading_info)` and reports the mismatches
         there instead of raising, as Transformers does (a saved output layer that differs from the
         tied embedding is one of its `error_msgs`). See `tnlg.modeling.loading` for why.
@@ -255,9 +259,11 @@ class TNLGPreTrainedModel(PreTrainedModel):
         open as safetensors (else a `CheckpointFileError` naming it), and is compared with the sha256
         recorded at save when the directory has a `tnlg_checksums.json`: a file another tool has
         changed since loads with a warning naming it, `verify_checksums="strict"` refuses it, and
-        `verify_checksums=False` skips the hashing ([Note: checksums] in loading.py).
+        `verify_checksums=False` skips the hashing ([Note: checksums] in loading.py). A directory whose
+        config names another model type (a GPT-2 one) is refused in one line naming the way in.
         """
         want_info = kwargs.pop("output_loading_info", False)
+        ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
         state_dict = kwargs.get("state_dict")
         variant = kwargs.get("variant")
         directory = _local_directory(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
@@ -271,16 +277,21 @@ class TNLGPreTrainedModel(PreTrainedModel):
                 f"{directory} has no config.json: a saved model directory needs the config next to its "
                 "weights (save_pretrained writes both), or pass config= to from_pretrained"
             )
+        if directory is not None and kwargs.get("config") is None:
+            _check_model_type(directory, cls.config_class.model_type)
         if directory is not None and state_dict is None:  # given a state_dict, no weight file is read
             check_weight_files(directory, weight_files(directory, variant), verify=verify_checksums)
         if _asks_for_tensor_parallel(kwargs):
             _check_tensor_parallel_load(pretrained_model_name_or_path, kwargs)
-        if strict:
-            # Let Transformers finish loading so that its report of mis-shaped tensors reaches us;
-            # its own error for them names none of the tensors.
-            kwargs["ignore_mismatched_sizes"] = True
+        # Under `strict`, Transformers finishes loading so that its report of mis-shaped tensors
+        # reaches us (its own error for them names none of the tensors); whether they are refused is
+        # the caller's `ignore_mismatched_sizes`, checked below.
         model, info = super().from_pretrained(
-            pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
+            pretrained_model_name_or_path,
+            *args,
+            output_loading_info=True,
+            ignore_mismatched_sizes=strict or ignore_mismatched,
+            **kwargs,
         )
         if not strict:
             return (model, info) if want_info else model
@@ -297,7 +308,7 @@ class TNLGPreTrainedModel(PreTrainedModel):
             if tied_error is not None:
                 info.setdefault("error_msgs", []).append(str(tied_error))
             return model, info
-        raise_on_mismatch(info, source)
+        raise_on_mismatch(info, source, ignore_mismatched_sizes=ignore_mismatched)
         if tied_error is not None:
             raise tied_error
         return model
@@ -311,8 +322,11 @@ class TNLGPreTrainedModel(PreTrainedModel):
         weight file's sha256 in `tnlg_checksums.json` ([Note: checksums] in loading.py).
 
         A model cut into pipeline stages or tensor slices holds part of the weights: it is refused
-        unless `state_dict=` gives the whole model's (as its engine's consolidation does).
+        unless `state_dict=` gives the whole model's (as its engine's consolidation does). So is a
+        config that `from_pretrained` would refuse (special token ids past a vocabulary that
+        `resize_token_embeddings` shrank): nothing is written either way.
         """
+        _refuse_unloadable_config(self.config)
         state_dict = kwargs.get("state_dict", args[0] if args else None)
         if state_dict is None:
             _refuse_partial_save(self)
@@ -340,6 +354,18 @@ class TNLGPreTrainedModel(PreTrainedModel):
         elif isinstance(module, nn.LayerNorm):
             init.ones_(module.weight)
             init.zeros_(module.bias)
+
+
+def _refuse_unloadable_config(config: TNLGConfig) -> None:
+    """Raise before a save whose config.json `from_pretrained` would refuse: loading builds the config
+    again and runs the same checks. `resize_token_embeddings` changes vocab_size alone, so a smaller
+    vocabulary leaves bos / eos / pad ids that name no row."""
+    try:
+        config.check_architecture()
+    except ValueError as error:
+        raise ValueError(
+            f"save_pretrained refused, nothing written: from_pretrained would refuse model.config: {error}"
+        ) from None
 
 
 def _refuse_partial_save(model: nn.Module) -> None:
@@ -393,6 +419,14 @@ def _check_tensor_parallel_load(path: str | os.PathLike | None, kwargs: dict[str
     config.check_tensor_parallel(degree)
 
 
+def _check_model_type(directory: Path, model_type: str) -> None:
+    """A directory of another model (a GPT-2 one, say) is refused in one line naming the model_type
+    found and the way in, before Transformers reads its config as this model's and every tensor fails
+    to match. A config naming no model_type is read as this model's, as Transformers does."""
+    if config_model_type(directory / "config.json") is not None:
+        check_model_config(directory, model_type)
+
+
 def _local_directory(path: str | os.PathLike | None, subfolder: str) -> Path | None:
     """The local directory `from_pretrained` reads, or None for a Hub id or no path."""
     if path is None:
@@ -436,6 +470,7 @@ class TNLGModel(TNLGPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("TNLGModel.forward needs exactly one of input_ids or inputs_embeds")
+        _refuse_token_type_ids(kwargs)
         tp_group = tensor_parallel.tensor_group(self.embed_tokens)
         if self.training and tp_group is not None and has_dropout(self.config):
             # [Note: dropout under tensor slicing] in tensor_parallel.py
@@ -504,6 +539,18 @@ class TNLGModel(TNLGPreTrainedModel):
             positions = attention_mask.long().cumsum(-1) - 1
             return positions.clamp(min=0)[:, -length:]  # (B, T)
         return torch.arange(past_length, past_length + length, device=device).unsqueeze(0)  # (1, T)
+
+
+def _refuse_token_type_ids(kwargs: dict[str, Any]) -> None:
+    """GPT-2 adds token-type embeddings (rows of its token embedding) for `token_type_ids`; TNLG has
+    none, so taking them in silently would give a converted GPT-2 model other logits than GPT-2's.
+    They stay out of `forward`'s signature, so that `generate()` refuses them in its own words and the
+    Trainer drops such a dataset column, as it drops every column `forward` does not name."""
+    if kwargs.get("token_type_ids") is not None:
+        raise ValueError(
+            "token_type_ids given, but TNLG has no token-type embeddings (GPT-2 adds them to the input): "
+            "leave them out of the batch (a tokenizer returns none with return_token_type_ids=False)"
+        )
 
 
 class TNLGForCausalLM(TNLGPreTrainedModel, GenerationMixin):

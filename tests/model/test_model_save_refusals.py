@@ -1,6 +1,7 @@
 """Saves that must not lose or corrupt a model directory: a save Transformers refuses keeps the previous
-model, a model cut into pipeline stages or tensor slices is refused before anything is touched, and a
-tensor-parallel load is checked whichever way Transformers is asked for it."""
+model, a model cut into pipeline stages or tensor slices or with a config from_pretrained would refuse
+is refused before anything is touched, and a tensor-parallel load is checked whichever way Transformers
+is asked for it."""
 
 from __future__ import annotations
 
@@ -95,6 +96,45 @@ def test_a_pipeline_stage_saves_the_whole_state_dict_it_is_given(tmp_path, debug
     stage.split_pipeline([1], 2)
     stage.save_pretrained(tmp_path, state_dict=whole.state_dict())  # as the engine's consolidation does
     assert _same_weights(TNLGForCausalLM.from_pretrained(tmp_path), whole)
+
+
+def _shrunk_below_its_token_ids(**token_ids: int) -> TNLGForCausalLM:
+    # GPT-2's padded vocabulary (bos = eos = 50256) moved to a smaller tokenizer's.
+    model = TNLGForCausalLM(TNLGConfig.from_preset("debug", vocab_size=50304, **token_ids))
+    model.resize_token_embeddings(1000, mean_resizing=False)
+    return model
+
+
+def test_a_vocabulary_shrunk_below_the_token_ids_is_refused_before_anything_is_written(
+    tmp_path, debug_config
+):
+    # It was saved, and from_pretrained then refused the directory it had written.
+    TNLGForCausalLM(debug_config).save_pretrained(tmp_path / "used")
+    before = _snapshot(tmp_path / "used")
+    model = _shrunk_below_its_token_ids()
+    for directory in (tmp_path / "new", tmp_path / "used"):
+        with pytest.raises(ValueError) as raised:
+            model.save_pretrained(directory)
+        message = str(raised.value)
+        assert message.startswith("save_pretrained refused, nothing written")
+        assert (
+            "bos_token_id 50256 and TNLGConfig.eos_token_id 50256 are outside the vocabulary [0, 1000)"
+            in message
+        )
+        assert "below vocab_size, or None" in message
+    assert not (tmp_path / "new").exists() and _snapshot(tmp_path / "used") == before
+    model.config.bos_token_id = model.config.eos_token_id = 999  # the fix the message names
+    model.save_pretrained(tmp_path / "new")
+    assert _same_weights(TNLGForCausalLM.from_pretrained(tmp_path / "new"), model)
+
+
+def test_a_pad_token_id_past_the_shrunk_vocabulary_is_named(tmp_path):
+    model = _shrunk_below_its_token_ids(bos_token_id=0, eos_token_id=0, pad_token_id=40000)
+    with pytest.raises(
+        ValueError, match=r"TNLGConfig\.pad_token_id 40000 is outside the vocabulary \[0, 1000\)"
+    ):
+        model.save_pretrained(tmp_path)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
 def sliced_save_case(rank: int, world_size: int, directory: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
 
 from tests.support.positions import watch_positions
 from tnlg import TNLGConfig, TNLGForCausalLM, TNLGModel
+from tnlg.data.tokenizer import byte_level_tokenizer
 from tnlg.modeling.modeling_tnlg import TNLGMLP
 from tnlg.modeling.transformers_compat import enable_checkpointing, output_cache
 
@@ -223,6 +225,29 @@ def test_exactly_one_of_input_ids_and_embeddings(debug_model):
     torch.testing.assert_close(
         debug_model(inputs_embeds=embeds).logits, debug_model(torch.tensor([[1, 2, 3]])).logits
     )
+
+
+def test_token_type_ids_are_refused_by_name(debug_model):
+    # They were ignored without a word: GPT-2 adds token-type embeddings, so a converted model differed.
+    input_ids = torch.randint(0, 512, (2, 6))
+    for forward in (debug_model, debug_model.model):
+        with pytest.raises(ValueError, match="token_type_ids given, but TNLG has no token-type embeddings"):
+            forward(input_ids, token_type_ids=torch.zeros_like(input_ids))
+    torch.testing.assert_close(
+        debug_model(input_ids, token_type_ids=None).logits, debug_model(input_ids).logits
+    )
+
+
+def test_the_paths_that_feed_token_type_ids_still_work(debug_model):
+    # A tokenizer batch carries them only when asked; generate() refuses them in its own words; the
+    # Trainer keeps only the dataset columns forward's signature names, which leaves them out.
+    tokenizer = byte_level_tokenizer()
+    batch = tokenizer(["ab", "abc"], return_tensors="pt", padding=True)
+    assert "token_type_ids" not in batch
+    assert debug_model.generate(**batch, max_new_tokens=2).shape == (2, 5)
+    with pytest.raises(ValueError, match="token_type_ids"):
+        debug_model.generate(**batch, token_type_ids=torch.zeros_like(batch["input_ids"]), max_new_tokens=2)
+    assert "token_type_ids" not in inspect.signature(debug_model.forward).parameters
 
 
 def test_bf16_forward_and_backward_run(debug_config):

@@ -9,10 +9,10 @@ import pytest
 import torch
 from accelerate import infer_auto_device_map
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from tnlg import TNLGConfig, TNLGForCausalLM, TNLGModel
-from tnlg.modeling import CheckpointMismatchError
+from tnlg.modeling import CheckpointFileError, CheckpointMismatchError
 
 
 @pytest.fixture
@@ -79,6 +79,53 @@ def test_mis_shaped_tensor_fails(saved):
         TNLGForCausalLM.from_pretrained(saved)
     assert "mis-shaped: model.layers.1.self_attn.out_proj.weight has shape [64, 32]" in str(raised.value)
     assert "the model expects [64, 64]" in str(raised.value)
+    # Both ways to load it anyway, as Transformers does, are named.
+    assert "strict=False" in str(raised.value) and "ignore_mismatched_sizes=True" in str(raised.value)
+
+
+def test_an_explicit_ignore_mismatched_sizes_re_initialises_mis_shaped_tensors(saved, debug_model):
+    # It was overridden: the load raised as if the caller had not asked, unlike Transformers' (GPT-2's).
+    loaded, info = TNLGForCausalLM.from_pretrained(
+        saved, vocab_size=600, ignore_mismatched_sizes=True, output_loading_info=True
+    )
+    assert loaded.model.embed_tokens.weight.shape == (600, 64)
+    assert [name for name, *_ in info["mismatched_keys"]] == ["model.embed_tokens.weight"]  # reported
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.model.layers[1].mlp.fc_in.weight, debug_model.model.layers[1].mlp.fc_in.weight)
+    without_info = TNLGForCausalLM.from_pretrained(saved, vocab_size=600, ignore_mismatched_sizes=True)
+    assert without_info.model.embed_tokens.weight.shape == (600, 64)
+
+
+def test_ignore_mismatched_sizes_still_refuses_missing_tensors(saved):
+    _edit_shard_holding(
+        saved, "model.layers.0.mlp.fc_in.bias", lambda t: t.pop("model.layers.0.mlp.fc_in.bias")
+    )
+    with pytest.raises(
+        CheckpointMismatchError, match=r"missing \(1\): model\.layers\.0\.mlp\.fc_in\.bias"
+    ) as raised:
+        TNLGForCausalLM.from_pretrained(saved, vocab_size=600, ignore_mismatched_sizes=True)
+    assert "mis-shaped:" not in str(raised.value)  # asked for: re-initialised, not refused
+
+
+@pytest.mark.parametrize("model_class", [TNLGForCausalLM, TNLGModel])
+def test_a_gpt2_directory_is_refused_in_one_line_naming_the_converter(tmp_path, model_class):
+    # Its config was read as a TNLG one, and the error listed every tensor (6,668 characters).
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=1, n_head=4)
+    ).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointFileError) as raised:
+        model_class.from_pretrained(tmp_path)
+    message = str(raised.value)
+    assert "\n" not in message and "'gpt2' model's config" in message
+    assert "tnlg.tools.convert.from_gpt2" in message and "convert_checkpoint.py --from gpt2" in message
+
+
+def test_a_config_naming_no_model_type_loads_as_in_transformers(saved, debug_model):
+    config = json.loads((saved / "config.json").read_text())
+    del config["model_type"]
+    (saved / "config.json").write_text(json.dumps(config))
+    loaded = TNLGForCausalLM.from_pretrained(saved)
+    assert torch.equal(loaded.model.embed_tokens.weight, debug_model.model.embed_tokens.weight)
 
 
 def test_device_map_auto_loads(saved, debug_model):

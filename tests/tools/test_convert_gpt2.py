@@ -189,3 +189,44 @@ def test_an_empty_weight_file_is_named_as_empty(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(ValueError, match=r"pytorch_model.bin is empty \(0 bytes\)"):
         from_gpt2(tmp_path)
+
+
+def _gpt2_with_generation_settings() -> GPT2LMHeadModel:
+    gpt2 = random_gpt2()
+    gpt2.generation_config.update(max_new_tokens=4, repetition_penalty=1.5, no_repeat_ngram_size=2)
+    return gpt2
+
+
+def test_the_generation_config_comes_along(tmp_path):
+    # It was dropped: generate() of the converted model ran to max_length with none of GPT-2's settings.
+    gpt2 = _gpt2_with_generation_settings()
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    convert_main(["--from", "gpt2", "--input", str(tmp_path / "gpt2"), "--output", str(tmp_path / "tnlg")])
+    input_ids = torch.randint(1, VOCAB, (2, 6))
+    expected = gpt2.generate(input_ids, pad_token_id=0)
+    assert expected.shape[1] == 6 + 4
+    for tnlg in (
+        from_gpt2(gpt2),
+        from_gpt2(tmp_path / "gpt2"),
+        TNLGForCausalLM.from_pretrained(tmp_path / "tnlg"),
+    ):
+        settings = tnlg.generation_config
+        assert (settings.max_new_tokens, settings.repetition_penalty, settings.no_repeat_ngram_size) == (
+            4,
+            1.5,
+            2,
+        )
+        assert torch.equal(tnlg.generate(input_ids, pad_token_id=0), expected)
+
+
+def test_generation_token_ids_outside_the_vocabulary_are_dropped_as_the_configs_are():
+    # GPT2Config's default end-of-text id 50256 names no row of a 300-token vocabulary.
+    config = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=1, n_head=4, pad_token_id=7)
+    gpt2 = GPT2LMHeadModel(config).eval()
+    gpt2.generation_config.max_new_tokens = 3
+    tnlg = from_gpt2(gpt2)
+    assert tnlg.config.eos_token_id is None and tnlg.generation_config.eos_token_id is None
+    assert tnlg.config.bos_token_id is None and tnlg.generation_config.bos_token_id is None
+    assert tnlg.config.pad_token_id == tnlg.generation_config.pad_token_id == 7
+    assert tnlg.generation_config.max_new_tokens == 3
+    assert gpt2.generation_config.eos_token_id == 50256  # the caller's model is left as it was

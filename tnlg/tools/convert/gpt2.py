@@ -7,15 +7,19 @@ columns in `[q | k | v]` order, which is TNLG's, so QKV needs no reordering.
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import GPT2Config, PreTrainedModel
+from transformers import GenerationConfig, GPT2Config, PreTrainedModel
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
+from tnlg.modeling.configuration_tnlg import TOKEN_ID_FIELDS, in_vocabulary
 from tnlg.modeling.loading import check_model_config
 
 from .state_dicts import build_model, load_tensors
@@ -80,26 +84,37 @@ def tnlg_config_from_gpt2(gpt2_config: GPT2Config) -> TNLGConfig:
     fields["intermediate_size"] = gpt2_config.n_inner or 4 * gpt2_config.n_embd  # GPT-2's None: 4x
     for name in ("embedding_dropout", "attention_dropout", "hidden_dropout"):
         fields[name] = float(fields[name])
-    return TNLGConfig(**fields, **_token_ids_in_vocabulary(gpt2_config))
+    return TNLGConfig(**fields, **_token_ids_in_vocabulary(gpt2_config, gpt2_config.vocab_size, "config"))
 
 
-def _token_ids_in_vocabulary(gpt2_config: GPT2Config) -> dict[str, int | list[int] | None]:
-    """GPT-2's special token ids, each outside the vocabulary dropped (None) with a warning.
+def tnlg_generation_config(generation_config: GenerationConfig, vocab_size: int) -> GenerationConfig:
+    """GPT-2's generation config for the converted model: its settings (max_new_tokens,
+    repetition_penalty, no_repeat_ngram_size, ...) kept, so that `generate()` decodes as GPT-2's does,
+    and its token ids outside the vocabulary dropped (None) as `tnlg_config_from_gpt2` drops the
+    config's, so the two agree (the export, to_gpt2.py, carries it the other way)."""
+    converted = copy.deepcopy(generation_config)
+    converted.update(**_token_ids_in_vocabulary(generation_config, vocab_size, "generation config"))
+    return converted
+
+
+def _token_ids_in_vocabulary(source: Any, vocab_size: int, what: str) -> dict[str, int | list[int] | None]:
+    """The special token ids of `source` (GPT-2's config or generation config), each outside the
+    vocabulary dropped (None) with a warning.
 
     `GPT2Config` keeps its default end-of-text id 50256 whatever `vocab_size` says (small test and
     retrained models); such an id names no row of the embedding, so no token the model can produce
     ends a sequence, and TNLG refuses an out-of-range id."""
     ids: dict[str, int | list[int] | None] = {}
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = getattr(gpt2_config, name, None)
+    for name in TOKEN_ID_FIELDS:
+        value = getattr(source, name, None)
         given = [i for i in (value if isinstance(value, list) else [value]) if i is not None]
-        kept = [i for i in given if 0 <= i < gpt2_config.vocab_size]
+        kept = [i for i in given if in_vocabulary(i, vocab_size)]
         ids[name] = value
         if len(kept) < len(given):
             ids[name] = (kept or None) if isinstance(value, list) else None
             logger.warning(
-                "GPT-2 config: %s %r is outside its vocabulary of %d tokens; the TNLG config has %r",
-                name, value, gpt2_config.vocab_size, ids[name],
+                "GPT-2 %s: %s %r is outside its vocabulary of %d tokens; the TNLG model's has %r",
+                what, name, value, vocab_size, ids[name],
             )  # fmt: skip
     return ids
 
@@ -141,12 +156,15 @@ def from_gpt2(
 
     A directory is read as files (config.json + safetensors, or `pytorch_model.bin` with
     `weights_only=True`); no GPT-2 model is instantiated. `dtype` casts the result (default: keep).
+    The generation config (the model's, or the directory's generation_config.json) comes along
+    (`tnlg_generation_config`), so `generate()` decodes as GPT-2's does.
     """
     if isinstance(model_or_dir, PreTrainedModel):
         # Cloned: the converted model must not share storage with the caller's GPT-2 model.
         gpt2_config = model_or_dir.config
         tensors = {name: t.detach().clone() for name, t in model_or_dir.state_dict().items()}
         source = type(model_or_dir).__name__
+        generation = getattr(model_or_dir, "generation_config", None)
     else:
         path = Path(model_or_dir)
         if not (path / "config.json").is_file():
@@ -159,7 +177,11 @@ def from_gpt2(
         check_model_config(path, "gpt2")
         gpt2_config = GPT2Config.from_pretrained(path)
         tensors, source = load_tensors(path), str(path)
+        has_generation = (path / GENERATION_CONFIG_NAME).is_file()
+        generation = GenerationConfig.from_pretrained(path) if has_generation else None
     if getattr(gpt2_config, "model_type", None) != "gpt2":
         raise ValueError(f"{source} is a {getattr(gpt2_config, 'model_type', '?')!r} model, not 'gpt2'")
     model = build_model(tnlg_config_from_gpt2(gpt2_config), gpt2_state_dict_to_tnlg(tensors), source)
+    if generation is not None:  # without one, the model's own (from its config) is GPT-2's default too
+        model.generation_config = tnlg_generation_config(generation, model.config.vocab_size)
     return model.to(dtype) if dtype is not None else model
