@@ -168,6 +168,36 @@ def test_batches_resume_mid_epoch_and_at_another_world_size():
         resumed.load_state_dict({**state, "examples": 5})
 
 
+def rows_taken(world: int, steps: int, state: dict | None = None) -> tuple[list[int], dict]:
+    """The rows (first tokens) that `world` processes of 3 rows each take in `steps` steps, in the
+    epoch's order (rank after rank within a step), and the position after them."""
+    examples = [{"input_ids": [i, i], "labels": [-100, i]} for i in range(40)]
+    ranks = [
+        FinetuneBatches(examples, micro_batch_size=3, rank=r, world_size=world, seed=0, pad_token_id=0)
+        for r in range(world)
+    ]
+    for batches in ranks:
+        if state is not None:
+            batches.load_state_dict(state)
+    streams = [iter(batches) for batches in ranks]
+    rows = [row for _ in range(steps) for stream in streams for row in first_tokens(next(stream))]
+    return rows, json.loads(json.dumps(ranks[0].state_dict()))
+
+
+@pytest.mark.parametrize(("saved_steps", "resumed_steps"), [(1, 2), (3, 1)])
+def test_a_position_saved_by_two_processes_resumes_on_four_at_exactly_its_row(saved_steps, resumed_steps):
+    uninterrupted, _ = rows_taken(2, 6)  # 36 of the epoch's 40 rows, 6 a step
+    before, state = rows_taken(2, saved_steps)  # 6 or 18 rows: not a whole step of 4 x 3 rows
+    after, _ = rows_taken(4, resumed_steps, state)
+    # Nothing repeated, nothing skipped: the rows follow on exactly as the uninterrupted run takes them.
+    assert before + after == uninterrupted[: len(before) + len(after)]
+
+
+def test_a_position_outside_the_epoch_is_refused():
+    with pytest.raises(ValueError, match=r"row 41 of epoch 0\) is outside the epoch's 40 rows"):
+        rows_taken(4, 1, {"epoch": 0, "consumed": 41, "examples": 40})
+
+
 def test_too_few_examples_for_one_step_are_refused():
     with pytest.raises(ValueError, match=r"make 3 rows, fewer than one step needs \(micro_batch_size 2 x 2"):
         batches_of([{"input_ids": [1], "labels": [1]}] * 3, 0, 2)

@@ -125,6 +125,13 @@ def test_pretokenized_mixture_weights_must_be_finite_and_positive(tmp_path, weig
         PretokenizedStream(corpora, [1, weight], batch_size=2)
 
 
+@pytest.mark.parametrize("weight", [0, -1, math.inf, math.nan])
+def test_streamed_source_weights_must_be_finite_and_positive(tmp_path, weight):
+    # NaN passes `weight <= 0`: the shares were all NaN, and the first source took every sequence
+    with pytest.raises(ValueError, match=r"source 'b': weight must be a finite number > 0"):
+        SourceConfig(name="b", paths=(str(tmp_path / "b.jsonl"),), weight=weight)
+
+
 # ---------------------------------------------------------------- streaming resume over the same files
 def read_some(reader: DocumentReader, count: int) -> list[str]:
     documents = iter(reader)

@@ -31,6 +31,7 @@ from tnlg.run.finetune_config import load_finetune_config
         (["--data.paths", "[a.jsonl]", "--data.split", "test"], "data.split 'test' names a split"),
         (["--data.paths", "[a.jsonl]", "--data.dataset", "embedded:qa"], "is an embedded set, read instead"),
         (["--data.max_examples", "0"], "data.max_examples must be >= 1"),
+        (["--train.seed", "-1"], "train.seed must be an integer in [0, 2**32), got -1"),
         (
             [
                 "--data.dataset",
@@ -68,6 +69,9 @@ def test_fine_tuning_mistakes_are_refused_when_read(overrides, message):
         (["--data.pretokenized", "[{prefix: a, weight: -1}, {prefix: b}]"], "'a': weight must be"),
         (["--data.pretokenized", "[{prefix: a, weight: .inf}]"], "weight must be a finite number > 0"),
         (["--data.sources", "[{name: s, paths: [a.jsonl], weight: 0}]"], "source 's': weight must be"),
+        (["--data.sources", "[{name: s, paths: [a.jsonl], weight: .nan}]"], "source 's': weight must be"),
+        (["--train.seed", "-1"], "train.seed must be an integer in [0, 2**32), got -1"),
+        (["--train.seed", str(2**32)], "train.seed must be an integer in [0, 2**32)"),
         (
             ["--data.pretokenized", "[{prefix: a}]", "--data.sources", "[{name: s, paths: [a.jsonl]}]"],
             "data.sources and data.pretokenized are both given",

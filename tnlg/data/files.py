@@ -53,6 +53,33 @@ def expand_path(pattern: str | Path) -> list[Path]:
     return sorted(Path(match) for match in glob.glob(_escape_existing_prefix(literal), recursive=True))
 
 
+def file_named_twice(matches: Iterable[tuple[str, Iterable[Path]]]) -> str | None:
+    """Which file two of the (pattern, its files) pairs name, and by which patterns, for a message (one
+    glob can reach a file twice too, through a link); None when each file is named once.
+
+    [Note: each file once]
+    A source, a fine-tuning split or a tokenizing job reads each of its files once per epoch: a file
+    that two of its paths name (`a.jsonl` and `*.jsonl`) would give its records twice, so that they
+    repeat within an epoch. Files are compared as what they are, not as how they are spelt: `./a.jsonl`,
+    a link to it and a hard link are `a.jsonl` too. The way to read a corpus more often than others is
+    its weight in the mixture.
+    """
+    named: dict[tuple[int, int], tuple[Path, str]] = {}  # (device, inode): the file itself, however reached
+    for pattern, files in matches:
+        for path in files:
+            status = path.stat()
+            key = (status.st_dev, status.st_ino)
+            if key not in named:
+                named[key] = (path, pattern)
+                continue
+            first_path, first_pattern = named[key]
+            alias = "" if str(path) in (str(first_path), pattern) else f" (the second time as {path})"
+            if pattern == first_pattern:
+                return f"{first_path} is named twice by {pattern!r}{alias}"
+            return f"{first_path} is named by both {first_pattern!r} and {pattern!r}{alias}"
+    return None
+
+
 def _escape_existing_prefix(pattern: Path) -> str:
     parts = pattern.parts
     for cut in range(len(parts) - 1, 0, -1):

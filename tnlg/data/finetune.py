@@ -11,7 +11,9 @@ its positions starting at 0, so that Transformers' mask building (positions rest
 attention mask) keeps every example attending only to itself. Without packing a batch is padded to
 its longest example. Each optimizer-step slice is `micro_batch_size` rows for each rank, the same
 count on every rank (a ZeRO step is collective); the epoch's last incomplete slice is dropped.
-The position (epoch, rows consumed) is world-size independent, so a run resumes at another size.
+The position (epoch, rows consumed) is world-size independent, so a run resumes at another size at
+exactly the next row: rows are never repeated or skipped, except that the epoch's last incomplete
+slice at the new size is dropped, as at any size.
 
 Files: a path that exists is read as itself, a glob only when it does not (see [Note: literal paths
 first] in files.py). Each file is loaded on its own so that every row keeps its file and row number
@@ -39,7 +41,13 @@ from typing import Any
 
 import torch
 
-from tnlg.data.files import DamagedFileError, check_compressed, compression_of, expand_path
+from tnlg.data.files import (
+    DamagedFileError,
+    check_compressed,
+    compression_of,
+    expand_path,
+    file_named_twice,
+)
 from tnlg.data.optional import require_datasets
 from tnlg.data.tasks import IGNORE_INDEX, BadExampleError, TaskFormat, encode_example, pad_batch
 
@@ -175,20 +183,20 @@ def validation_rows(
 
 def data_files(paths: Sequence[str]) -> list[Path]:
     """The files `paths` name, each existing path itself, else its glob matches (see the module
-    docstring); FileNotFoundError naming every path that matches nothing."""
-    files, missing = [], []
-    for pattern in paths:
-        matches = expand_path(pattern)
-        if not matches:
-            missing.append(pattern)
-        files.extend(matches)
+    docstring); FileNotFoundError naming every path that matches nothing, ValueError naming a file
+    that two paths name ([Note: each file once] in files.py)."""
+    matches = [(pattern, expand_path(pattern)) for pattern in paths]
+    missing = [pattern for pattern, found in matches if not found]
     if missing:
         raise FileNotFoundError(f"no data files match {missing}")
+    files = [path for _, found in matches for path in found]
     for path in files:
         if path.is_dir():
             raise IsADirectoryError(
                 f"{path} is a directory: give its files, or a glob such as {path}/*.jsonl"
             )
+    if twice := file_named_twice(matches):
+        raise ValueError(f"{twice}, so its rows would be read twice: name each file once")
     return files
 
 
@@ -394,10 +402,14 @@ class FinetuneBatches:
                 f"the checkpoint's data had {state['examples']} examples, this run has {len(self.examples)}: "
                 "resume with the same data settings"
             )
-        slice_rows = self.micro_batch_size * self.world_size
-        self.epoch, self.consumed = state["epoch"], state["consumed"] // slice_rows * slice_rows
-        if self.consumed != state["consumed"]:
-            logger.warning(
-                "the data position (%d rows) is not a whole step at this size; resuming at row %d",
-                state["consumed"], self.consumed,
-            )  # fmt: skip
+        # Each slice takes the next micro_batch_size x world_size rows of the epoch from `consumed`, whatever
+        # that is: a position saved at another size (6 rows, by 2 processes of 3, resumed on 4) resumes at
+        # exactly that row, and the rows follow in the uninterrupted order.
+        epoch, consumed = int(state["epoch"]), int(state["consumed"])
+        rows = len(self._rows(epoch))
+        if not 0 <= consumed <= rows:
+            raise ValueError(
+                f"the checkpoint's data position (row {consumed} of epoch {epoch}) is outside the epoch's "
+                f"{rows} rows: resume with the same data settings (task.max_length, data.packing)"
+            )
+        self.epoch, self.consumed = epoch, consumed

@@ -7,8 +7,8 @@ restored stream yields exactly what the uninterrupted one would have.
 - `PackedSource`: a source's documents, tokenized in batches, an end-of-text token after each,
   concatenated and cut into `seq_len` tokens: no padding, documents cross sequence boundaries.
 - `Mixture`: sources interleaved by weight, deterministically: each next sequence comes from the
-  source furthest behind its share (Megatron's blending rule), so the mix is exact at every
-  prefix, not only in expectation.
+  source furthest behind its share ([Note: the deficit rule] in blend.py), so the mix is exact at
+  every prefix, not only in expectation.
 - `ShuffleBuffer`: a buffer of sequences drawn from at random with a seeded generator; unlike
   `datasets`' shuffle buffer its contents and generator state are part of the checkpoint.
 """
@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from .blend import blend_shares, next_corpus
 from .sources import DocumentReader
 from .tokenizer import encode_texts
 
@@ -79,9 +80,8 @@ class Mixture:
     def __init__(self, sources: Sequence[PackedSource], weights: Sequence[float]):
         if len(sources) != len(weights) or not sources:
             raise ValueError("a mixture needs one weight per source, and at least one source")
-        total = float(sum(weights))
         self.sources = list(sources)
-        self.shares = np.asarray([w / total for w in weights])
+        self.shares = blend_shares(weights)
         self.counts = np.zeros(len(sources), dtype=np.int64)
 
     def state_dict(self) -> dict[str, Any]:
@@ -101,9 +101,8 @@ class Mixture:
         return self
 
     def __next__(self) -> np.ndarray:
-        # The source whose count is furthest below its share of the sequences so far (plus this one).
-        deficit = self.shares * (self.counts.sum() + 1) - self.counts
-        chosen = int(np.argmax(deficit))
+        # The source furthest below its share of the sequences so far ([Note: the deficit rule] in blend.py).
+        chosen = next_corpus(self.shares, int(self.counts.sum()), self.counts)
         self.counts[chosen] += 1
         return next(self.sources[chosen])
 

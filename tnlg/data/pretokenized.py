@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from .blend import blend_shares, check_weight, counts_before, next_corpus
 from .files import DamagedFileError
 from .tokenizer import encode_texts, tokenizer_fingerprint
 
@@ -244,16 +244,11 @@ class PretokenizedStream(torch.utils.data.IterableDataset):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         for corpus, weight in zip(corpora, weights, strict=True):
-            if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
-                # A zero weight would starve its corpus silently; leave a corpus out to not train on it.
-                raise ValueError(
-                    f"pre-tokenized corpus {corpus.prefix}: weight must be a finite number > 0, got {weight!r}; "
-                    "leave the corpus out instead of weighting it 0"
-                )
+            hint = "; leave the corpus out instead of weighting it 0"
+            check_weight(f"pre-tokenized corpus {corpus.prefix}", weight, hint)
         self.corpora, self.batch_size, self.seed = list(corpora), batch_size, seed
         self.rank, self.world_size = rank, world_size
-        total = float(sum(weights))
-        self.shares = np.asarray([w / total for w in weights])
+        self.shares = blend_shares(weights)
         self.start = 0  # the global sample this world size started from (after a resume)
         self.sample = 0  # this rank's samples taken since then
         self._permutations: dict[tuple[int, int], np.ndarray] = {}
@@ -287,26 +282,21 @@ class PretokenizedStream(torch.utils.data.IterableDataset):
         return self.corpora[corpus][int(self._permutation(corpus, epoch, size)[within])]
 
     def _blend(self, index: int) -> tuple[int, int]:
-        """(corpus, how many samples that corpus gave before) for global sample `index`.
-
-        The deficit rule assigns sample n to the corpus furthest below its share; the counts
-        after n samples are recomputed in closed form from the shares, so any index is O(corpora).
-        """
+        """(corpus, how many samples that corpus gave before) for global sample `index`, by the deficit
+        rule ([Note: the deficit rule] in blend.py). The counts before `index` come from the last index
+        asked (the next sample of this rank is `world_size` further: a short replay), or, resumed far
+        from it, from `counts_before`, whose cost [Note: blend counts at any index] states."""
         if len(self.corpora) == 1:
             return 0, index
         counts = self._counts_before(index)
-        deficit = self.shares * (index + 1) - counts
-        chosen = int(np.argmax(deficit))
+        chosen = next_corpus(self.shares, index, counts)
         return chosen, int(counts[chosen])
 
     def _counts_before(self, index: int) -> np.ndarray:
-        # Replaying the rule is exact and cheap next to reading a sequence; memoise the last point.
         start, counts = self._memo
         if index < start:
-            start, counts = 0, np.zeros(len(self.corpora), dtype=np.int64)
-        counts = counts.copy()
-        for n in range(start, index):
-            counts[int(np.argmax(self.shares * (n + 1) - counts))] += 1
+            start, counts = 0, None
+        counts = counts_before(self.shares, index, start, counts)
         self._memo = (index, counts)
         return counts
 

@@ -20,7 +20,8 @@ Bad records (malformed JSON, a missing or non-string text field, empty text, byt
 UTF-8) are counted per source and reason, and logged with file and line; `on_bad_record="fatal"`
 raises instead. An unreadable or damaged file (a truncated or corrupt `.zst` / `.gz`, a parquet file
 that is not one) is always fatal: see [Note: damaged files] in files.py. Paths that exist are taken
-literally, globs only when they do not ([Note: literal paths first]).
+literally, globs only when they do not ([Note: literal paths first]); a file that two paths name is
+refused ([Note: each file once] in files.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .files import DamagedFileError, expand_path, read_lines
+from .blend import check_weight
+from .files import DamagedFileError, expand_path, file_named_twice, read_lines
 from .optional import loaded_error_types, require_datasets
 
 logger = logging.getLogger(__name__)
@@ -80,20 +82,19 @@ class SourceConfig:
                 f"source {self.name!r}: give either paths (files or globs) or dataset (a datasets name), "
                 f"got paths={list(self.paths)} dataset={self.dataset!r}"
             )
-        if not isinstance(self.weight, (int, float)) or self.weight <= 0:
-            raise ValueError(f"source {self.name!r}: weight must be > 0, got {self.weight!r}")
+        check_weight(f"source {self.name!r}", self.weight)
 
     def files(self) -> list[Path | DatasetSplit]:
         """The source's files, globs expanded, sorted (or its one dataset split); raises naming what
-        matched nothing."""
+        matched nothing, and a file that two paths name ([Note: each file once] in files.py)."""
         if self.dataset:
             return [DatasetSplit(self.dataset, self.dataset_config, self.split)]
+        matches = [(pattern, expand_path(pattern)) for pattern in self.paths]
         found: list[Path | DatasetSplit] = []
-        for pattern in self.paths:
-            matches = expand_path(pattern)
-            if not matches:
+        for pattern, files in matches:
+            if not files:
                 raise FileNotFoundError(f"source {self.name!r}: {pattern} matches no file")
-            found.extend(matches)
+            found.extend(files)
         for path in found:
             if path.is_dir():
                 raise ValueError(
@@ -101,6 +102,11 @@ class SourceConfig:
                 )
             if not path.name.endswith(FORMATS):
                 raise ValueError(f"source {self.name!r}: {path} is not one of {list(FORMATS)}")
+        if twice := file_named_twice(matches):
+            raise ValueError(
+                f"source {self.name!r}: {twice}, so its records would be read twice each epoch: name each file "
+                "once (a source's weight in the mixture is how to read it more often)"
+            )
         return found
 
 

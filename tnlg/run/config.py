@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tnlg.data.blend import check_weight
 from tnlg.data.sources import BAD_RECORD_POLICIES
 from tnlg.modeling import PRESETS, TNLGConfig
 from tnlg.run.config_reader import choose, load_config, require
@@ -149,7 +150,7 @@ class SourceSection:
     pile_set_name: str | None = None
 
     def __post_init__(self) -> None:
-        require_weight(f"source {self.name!r}", self.weight)
+        check_weight(f"source {self.name!r}", self.weight)
         if not self.paths:
             return
         # Files have no splits or builder configs: a value here would be silently not applied.
@@ -173,12 +174,7 @@ class PretokenizedSection:
     weight: float = 1.0
 
     def __post_init__(self) -> None:
-        require_weight(f"data.pretokenized {self.prefix!r}", self.weight)
-
-
-def require_weight(name: str, weight: float) -> None:
-    """A mixture weight: finite and > 0 (a corpus weighted 0 or less would never be sampled)."""
-    require(f"{name}: weight", weight, math.isfinite(weight) and weight > 0, "a finite number > 0")
+        check_weight(f"data.pretokenized {self.prefix!r}", self.weight)
 
 
 @dataclass(kw_only=True)
@@ -292,6 +288,10 @@ class TrainSection:
         for name in ("eval_every", "save_every"):
             value = getattr(self, name)
             require(f"train.{name}", value, value >= 0, ">= 0 (0: never)")
+        # Checked here, not where numpy or torch would refuse it after the model is built; below 2**32 so
+        # that every generator the run seeds takes it, and the fine-tuning shuffle's derived seed
+        # (seed * 1_000_003 + epoch, tnlg/data/finetune.py) fits torch's 64 bits.
+        require("train.seed", self.seed, 0 <= self.seed < 2**32, "an integer in [0, 2**32)")
         choose("train.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         choose("train.on_nonfinite_loss", self.on_nonfinite_loss, ("stop", "skip"))
         if self.peak_flops is not None:
