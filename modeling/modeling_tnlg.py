@@ -28,7 +28,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from . import fused_ops, tensor_parallel
-from .configuration_tnlg import TNLGConfig, has_dropout
+from .configuration_tnlg import TOKEN_ID_FIELDS, TNLGConfig, has_dropout, in_vocabulary
 from .loading import (
     check_model_config,
     check_weight_files,
@@ -326,7 +326,7 @@ class TNLGPreTrainedModel(PreTrainedModel):
         config that `from_pretrained` would refuse (special token ids past a vocabulary that
         `resize_token_embeddings` shrank): nothing is written either way.
         """
-        _refuse_unloadable_config(self.config)
+        _refuse_unloadable_config(self)
         state_dict = kwargs.get("state_dict", args[0] if args else None)
         if state_dict is None:
             _refuse_partial_save(self)
@@ -356,16 +356,29 @@ class TNLGPreTrainedModel(PreTrainedModel):
             init.zeros_(module.bias)
 
 
-def _refuse_unloadable_config(config: TNLGConfig) -> None:
-    """Raise before a save whose config.json `from_pretrained` would refuse: loading builds the config
-    again and runs the same checks. `resize_token_embeddings` changes vocab_size alone, so a smaller
-    vocabulary leaves bos / eos / pad ids that name no row."""
+def _refuse_unloadable_config(model: PreTrainedModel) -> None:
+    """Raise before a save whose config.json `from_pretrained` would refuse (loading builds the config
+    again and runs the same checks), or whose generation config names special tokens the model cannot
+    produce (generate() would never stop on such an eos). `resize_token_embeddings` changes vocab_size
+    alone, so a smaller vocabulary leaves bos / eos / pad ids in both that name no row."""
+    problems = []
     try:
-        config.check_architecture()
+        model.config.check_architecture()
     except ValueError as error:
-        raise ValueError(
-            f"save_pretrained refused, nothing written: from_pretrained would refuse model.config: {error}"
-        ) from None
+        problems.append(f"from_pretrained would refuse model.config: {error}")
+    generation, vocab_size = getattr(model, "generation_config", None), model.config.vocab_size
+    outside = [
+        f"model.generation_config.{name} {getattr(generation, name)!r}"
+        for name in (TOKEN_ID_FIELDS if generation is not None else ())
+        if not in_vocabulary(getattr(generation, name, None), vocab_size)
+    ]
+    if outside:
+        problems.append(
+            f"{' and '.join(outside)} outside the vocabulary [0, {vocab_size}): generate() would never "
+            "produce them; set each to an id below vocab_size, or None"
+        )
+    if problems:
+        raise ValueError(f"save_pretrained refused, nothing written: {'; '.join(problems)}")
 
 
 def _refuse_partial_save(model: nn.Module) -> None:

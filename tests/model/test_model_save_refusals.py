@@ -124,6 +124,13 @@ def test_a_vocabulary_shrunk_below_the_token_ids_is_refused_before_anything_is_w
         assert "below vocab_size, or None" in message
     assert not (tmp_path / "new").exists() and _snapshot(tmp_path / "used") == before
     model.config.bos_token_id = model.config.eos_token_id = 999  # the fix the message names
+    # generate() would never stop on the generation config's eos 50256: refused alike
+    with pytest.raises(
+        ValueError, match=r"model\.generation_config\.bos_token_id 50256 and model\.generation"
+    ):
+        model.save_pretrained(tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    model.generation_config.bos_token_id = model.generation_config.eos_token_id = 999
     model.save_pretrained(tmp_path / "new")
     assert _same_weights(TNLGForCausalLM.from_pretrained(tmp_path / "new"), model)
 
