@@ -152,11 +152,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def _megatron_arguments(megatron: argparse._ArgumentGroup) -> None:
     megatron.add_argument(
-        "--num-attention-heads", type=int, help="default: from the saved args (needed when it has none)"
+        "--num-attention-heads",
+        type=_positive_int,
+        help="for checkpoints whose saved args record none (one that differs from the record is refused)",
     )
-    megatron.add_argument("--vocab-size", type=int, help="trim the padded vocabulary to this many rows")
     megatron.add_argument(
-        "--checkpoint-version", type=float, help="legacy QKV layout version: 0, 1, 2 or 3 (default: saved)"
+        "--vocab-size", type=_positive_int, help="trim the padded vocabulary to this many rows"
+    )
+    megatron.add_argument(
+        "--checkpoint-version",
+        type=float,
+        help="legacy QKV layout 0, 1, 2 or 3 of a checkpoint that records none (default: 0, as Megatron reads it)",
     )
     megatron.add_argument(
         "--hidden-act",
@@ -176,6 +182,17 @@ def _shard_size(text: str) -> int:
     if size < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive size such as 5GB, 500MB or 2GiB")
     return size
+
+
+def _positive_int(text: str) -> int:
+    """A count (rows, heads), checked here so that 0 or -1 never reaches the conversion."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
 
 
 def _verifies_checksums(args: argparse.Namespace) -> bool:

@@ -10,7 +10,9 @@ tensors by parameter name: the fp32 masters, Adam's moments and step, the loss s
     DIR/<tag>/zero_pp_rank_R_mp_rank_00_model_states.pt   stage 3: the same, one per rank, weights empty
     DIR/<tag>/[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt   rank R's `optimizer_state_dict`
 The Transformers Trainer's DeepSpeed integration passes its `checkpoint-N/` as DIR, so its layout is
-`checkpoint-N/latest` and `checkpoint-N/global_stepN/`: the same files one level down.
+`checkpoint-N/latest` and `checkpoint-N/global_stepN/`: the same files one level down. Saved without
+ZeRO (stage 0, fp32 or fp16), mp_rank_00_model_states.pt holds the optimizer itself, `param_shapes` is
+None and there are no optim_states files: not read (`_refuse_without_zero`).
 
 How a rank's flat fp32 partition maps to parameters (the same for Adam's moments, which follow it):
 - stage 1-2: each param group's parameters, in `param_shapes` order, are one flat buffer cut into
@@ -141,6 +143,7 @@ def read_deepspeed_checkpoint(path: str | Path) -> DeepSpeedZeroState:
         raise CheckpointError(f"{directory} has no mp_rank_00_model_states.pt (nor rank 0's zero_pp one)")
     model = _load(directory / first)
     world = _integer(model, "dp_world_size", directory / first)
+    _refuse_without_zero(directory / first, model, names)
     optimizer_files = _optimizer_files(directory, names, world)
     states = [_load(directory / name).get("optimizer_state_dict") for name in optimizer_files]
     for name, state in zip(optimizer_files, states, strict=True):
@@ -266,6 +269,20 @@ def _load(path: Path) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise CheckpointError(f"{path} holds a {type(loaded).__name__}, not a DeepSpeed state dict")
     return loaded
+
+
+def _refuse_without_zero(model_file: Path, model: dict[str, Any], names: list[str]) -> None:
+    """Name a checkpoint DeepSpeed saved without ZeRO as such: it has no optimizer files by design, and
+    "no optimizer file for rank(s) ..." would send its owner looking for files that never existed."""
+    if model.get("param_shapes") is not None or any(OPTIM_STATES.match(name) for name in names):
+        return
+    raise CheckpointError(
+        f"{model_file.parent} is not a ZeRO checkpoint: DeepSpeed saved it without ZeRO (stage 0; its "
+        f"optimizer is inside {model_file.name}, param_shapes is None, there is no *_optim_states.pt). Only "
+        "ZeRO stage 1-3 checkpoints are read, from their fp32 masters; reading or converting a stage-0 one "
+        f"is not supported (its module's weights, in the training dtype, are the `module` entry of "
+        f"{model_file.name})"
+    )
 
 
 def _optimizer_files(directory: Path, names: list[str], world: int) -> list[str]:

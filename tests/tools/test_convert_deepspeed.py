@@ -138,3 +138,29 @@ def test_a_config_that_is_no_model_config_is_named(tmp_path, content, message):
     (tmp_path / "config.json").write_text(content)
     with pytest.raises(ValueError, match=rf"config.json {message}"):
         from_deepspeed(CASE["stage1_world2"].directory / CHECKPOINT, config=tmp_path / "config.json")
+
+
+def test_a_checkpoint_saved_without_zero_is_named_as_such(tmp_path):
+    # DeepSpeed without ZeRO (stage 0, fp32 or fp16) keeps its optimizer inside mp_rank_00_model_states.pt,
+    # param_shapes None, and writes no optim_states files: it was reported as missing those files.
+    from tnlg.sharding.checkpoint import CheckpointError
+    from tnlg.sharding.deepspeed.zero_checkpoint import read_deepspeed_checkpoint
+
+    source = CASE["stage1_world2"].directory / CHECKPOINT
+    tag = tmp_path / "checkpoint" / f"global_step{SAVE_AT}"
+    tag.mkdir(parents=True)
+    shutil.copy(source / "latest", tag.parent / "latest")
+    shutil.copy(source / "config.json", tag.parent / "config.json")
+    model_states = {
+        "module": read_deepspeed_checkpoint(source).masters,
+        "optimizer": {"state": {}, "param_groups": []},
+        "param_shapes": None,
+        "dp_world_size": 2,
+        "global_steps": SAVE_AT,
+    }
+    torch.save(model_states, tag / "mp_rank_00_model_states.pt")
+    with pytest.raises(
+        CheckpointError, match=r"is not a ZeRO checkpoint: DeepSpeed saved it without ZeRO \(stage 0"
+    ) as raised:
+        from_deepspeed(tag.parent)
+    assert "is not supported" in str(raised.value) and "no optimizer file" not in str(raised.value)

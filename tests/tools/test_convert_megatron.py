@@ -10,21 +10,15 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from scripts.convert_checkpoint import main as convert_main
-from tests.support.megatron_layout import megatron_shards, save_megatron_checkpoint, source_gpt2
+from tests.support.megatron_cases import HEADS, VOCAB, assert_same_function, megatron_source_gpt2
+from tests.support.megatron_layout import megatron_shards, save_megatron_checkpoint
 from tnlg import TNLGForCausalLM
 from tnlg.tools.convert import from_megatron, read_megatron_checkpoint
-
-VOCAB, HEADS = 300, 4
 
 
 @pytest.fixture
 def gpt2() -> GPT2LMHeadModel:
-    return source_gpt2(VOCAB, width=64, layers=4, heads=HEADS, positions=64)
-
-
-def assert_same_function(tnlg: TNLGForCausalLM, gpt2: GPT2LMHeadModel) -> None:
-    input_ids = torch.randint(0, VOCAB, (2, 24))
-    torch.testing.assert_close(tnlg(input_ids).logits, gpt2(input_ids).logits, atol=1e-5, rtol=0)
+    return megatron_source_gpt2()
 
 
 @pytest.mark.parametrize("style", ["core", "te", "legacy"])

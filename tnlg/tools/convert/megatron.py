@@ -11,13 +11,17 @@ parallel: output rows; row parallel: input columns; norms and row-parallel biase
 pipeline stages are stacked in order. The fused QKV rows are stored per head, `[nh, 3, hd]` (legacy
 checkpoint_version 1.0 used `[nh, hd, 3]`, version 0 `[3, nh, hd]`); TNLG wants `[3, nh, hd]`.
 The padded vocabulary is trimmed to `vocab_size` when given.
+
+What the tensors cannot tell comes from the checkpoint's saved `args` (heads, epsilon, which GeLU,
+zero-centred LayerNorm gains) and its `checkpoint_version`; options that change the computed function
+without changing a name or a shape are refused by name (`_UNSUPPORTED_ARGS`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +76,7 @@ _LAYER_SUFFIXES = [
     (re.compile(r"mlp\.(?:linear_fc2|dense_4h_to_h)\.(weight|bias)$"), "fc2"),
 ]
 _LAYER = re.compile(r"^(?:decoder|language_model\.(?:encoder|transformer))\.layers\.(\d+)\.(.+)$")
+_CORE_LAYER = re.compile(r"(?:^|\.)decoder\.layers\.\d+\.")  # megatron-core GPTModel, any wrapper prefix
 _TOP = [
     (re.compile(r"^(?:language_model\.)?embedding\.word_embeddings\.weight$"), "embed"),
     (re.compile(r"^(?:language_model\.)?embedding\.position_embeddings\.weight$"), "pos"),
@@ -153,13 +158,26 @@ def _merge_qkv(shards: list[torch.Tensor], num_heads: int, checkpoint_version: f
     return torch.cat(per_rank, dim=1).reshape(rows, *rest).contiguous()
 
 
+def _uses_core_names(shards: Mapping[Any, Mapping[str, torch.Tensor]]) -> bool:
+    """Whether the tensors carry megatron-core `GPTModel` names (`decoder.layers.N...`), not legacy ones."""
+    return any(_CORE_LAYER.search(name) for shard in shards.values() for name in shard)
+
+
 def megatron_state_dict_to_tnlg(
     shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
     num_attention_heads: int,
     checkpoint_version: float = 3.0,
     vocab_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Merge `{(tp_rank, pp_rank): flat state dict}` into one TNLG-named state dict."""
+    """Merge `{(tp_rank, pp_rank): flat state dict}` into one TNLG-named state dict.
+
+    `checkpoint_version` orders legacy `query_key_value` rows only: Megatron's loader
+    (`fix_query_key_value_ordering`) never reorders megatron-core's `linear_qkv`, per head in every version.
+    """
+    if vocab_size is not None and vocab_size < 1:
+        raise ValueError(f"vocab_size {vocab_size} is not a number of rows to keep: give a positive one")
+    if _uses_core_names(shards):
+        checkpoint_version = 3.0
     tp_size, pp_size = _parallel_sizes(shards)
     converted: dict[str, torch.Tensor] = {}
     for (role, layer), tensors in _pieces_by_role(shards, tp_size, pp_size).items():
@@ -273,7 +291,9 @@ def _config_from_tensors(
 
 
 def read_megatron_checkpoint(path: str | Path) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], dict]:
-    """Shards `{(tp, pp): flat state dict}` and the metadata (`args`, `checkpoint_version`) of a checkpoint.
+    """Shards `{(tp, pp): flat state dict}` and the metadata of a checkpoint: `args` and
+    `checkpoint_version` where its files record them, and `megatron_checkpoint`, whether they are
+    Megatron's checkpoint dicts (a `model` entry beside them) rather than bare state dicts.
 
     `path` is a Megatron save directory (with `latest_checkpointed_iteration.txt`), an `iter_*`
     directory of `mp_rank_TT[_PPP]/model_optim_rng.pt` files, one such file, or a directory of
@@ -317,6 +337,7 @@ def read_megatron_checkpoint(path: str | Path) -> tuple[dict[tuple[int, int], di
         shards[ranks] = flatten(model)
         if not metadata:
             metadata = {k: loaded[k] for k in ("args", "checkpoint_version") if k in loaded}
+            metadata["megatron_checkpoint"] = "model" in loaded
     _check_saved_layout(path, set(files), metadata.get("args"))
     return shards, metadata
 
@@ -339,13 +360,41 @@ def _check_saved_layout(path: Path, found: set[tuple[int, int]], args: Any) -> N
         )
 
 
-# Saved-args settings that change the function without changing tensor names or shapes.
-_UNSUPPORTED_ARGS = {
-    "apply_residual_connection_post_layernorm": True,
-    "swiglu": True,
-    "squared_relu": True,
-    "add_bias_linear": False,
-    "untie_embeddings_and_output_weights": None,  # handled: untied output layer is kept
+@dataclass(frozen=True)
+class _Refused:
+    unsupported: Callable[[Any, Any], bool]  # (saved value, all the args) -> whether TNLG cannot compute it
+    what: str
+
+
+def _is(bad: Any) -> Callable[[Any, Any], bool]:
+    return lambda value, _args: value == bad
+
+
+def _grouped_queries(on: Any, args: Any) -> bool:
+    # Megatron reads num_query_groups only with group_query_attention (its default is 1); as many groups
+    # as heads is plain multi-head attention, stored in the same per-head layout.
+    return bool(on) and getattr(args, "num_query_groups", None) != getattr(args, "num_attention_heads", None)
+
+
+# Saved-args settings that change the function without changing tensor names or shapes, or before a
+# shape would tell: each is refused by its name. Args saved before an option existed lack it, and ran its
+# default, which TNLG computes. untie_embeddings_and_output_weights needs no entry: it is converted.
+_UNSUPPORTED_ARGS: dict[str, _Refused] = {
+    "apply_residual_connection_post_layernorm": _Refused(_is(True), "residual taken after the LayerNorm"),
+    "normalization": _Refused(lambda value, _args: value != "LayerNorm", "not LayerNorm"),
+    "position_embedding_type": _Refused(lambda value, _args: value != "learned_absolute", "not learned"),
+    # Megatron-LM 2023-03..07: RoPE applied to q and k on top of the learned position embeddings.
+    "use_rotary_position_embeddings": _Refused(_is(True), "rotary position embeddings"),
+    "window_size": _Refused(lambda value, _args: value is not None, "sliding-window attention"),
+    "softmax_type": _Refused(lambda value, _args: value != "vanilla", "not the plain softmax"),
+    "use_mup": _Refused(_is(True), "muP scaling"),
+    "group_query_attention": _Refused(_grouped_queries, "num_query_groups differs from num_attention_heads"),
+    "swiglu": _Refused(_is(True), "gated MLP"),
+    "quick_geglu": _Refused(_is(True), "gated MLP"),
+    "squared_relu": _Refused(_is(True), "not GeLU"),
+    "add_bias_linear": _Refused(_is(False), "linear layers without biases"),
+    # The older name of add_bias_linear=False; Megatron's load_checkpoint converts it.
+    "disable_bias_linear": _Refused(_is(True), "linear layers without biases"),
 }
 
 
@@ -353,18 +402,54 @@ def _refuse_unsupported_architecture(args: Any) -> None:
     if args is None:
         return
     problems = [
-        f"{name}={getattr(args, name)!r}"
-        for name, bad in _UNSUPPORTED_ARGS.items()
-        if bad is not None and getattr(args, name, not bad) == bad
+        f"{name}={getattr(args, name)!r} ({refused.what})"
+        for name, refused in _UNSUPPORTED_ARGS.items()
+        if hasattr(args, name) and refused.unsupported(getattr(args, name), args)
     ]
-    normalization = getattr(args, "normalization", "LayerNorm")
-    if normalization != "LayerNorm":
-        problems.append(f"normalization={normalization!r}")
-    position_type = getattr(args, "position_embedding_type", "learned_absolute")
-    if position_type != "learned_absolute":
-        problems.append(f"position_embedding_type={position_type!r}")
     if problems:
         raise ValueError(f"the Megatron model uses options TNLG does not implement: {', '.join(problems)}")
+
+
+def _recorded_unless_given(name: str, given: Any, recorded: Any) -> Any:
+    """A fact about the tensors (their heads, their QKV row order): the checkpoint's record, else the
+    caller's value. A given value that contradicts the record is refused: the record laid the tensors out."""
+    if given is not None and recorded is not None and given != recorded:
+        raise ValueError(
+            f"{name} {given!r} was given, but the checkpoint records {name} {recorded!r}: its tensors are "
+            f"laid out by the record; leave {name} out"
+        )
+    return recorded if recorded is not None else given
+
+
+def _settled_heads(given: int | None, args: Any) -> int:
+    heads = _recorded_unless_given("num_attention_heads", given, getattr(args, "num_attention_heads", None))
+    if heads is None:
+        raise ValueError("the checkpoint carries no args: pass num_attention_heads")
+    if heads < 1:
+        raise ValueError(f"num_attention_heads {heads} is not a number of heads: give a positive one")
+    return heads
+
+
+def _settled_checkpoint_version(given: float | None, metadata: Mapping[str, Any], core_names: bool) -> float:
+    """The version the fused QKV rows are read in, logged with where it came from."""
+    recorded = metadata.get("checkpoint_version")
+    version = _recorded_unless_given("checkpoint_version", given, recorded)
+    if recorded is not None:
+        why = "recorded in the checkpoint"
+    elif version is not None:
+        why = "given; the checkpoint records none"
+    elif metadata.get("megatron_checkpoint"):
+        # Megatron's load_checkpoint: state_dict.get('checkpoint_version', 0); versions began 2020-09.
+        version, why = 0.0, "the checkpoint records none, and Megatron reads a missing version as 0"
+    else:
+        version, why = (
+            3.0,
+            "bare state dicts record none; 3.0, the per-head order Megatron has saved since late 2020",
+        )
+    if core_names:
+        why += " (megatron-core linear_qkv rows are per head in every version)"
+    logger.info("Megatron checkpoint_version %g: %s", version, why)
+    return float(version)
 
 
 def _zero_centered_gamma(args: Any) -> bool:
@@ -375,23 +460,57 @@ def _zero_centered_gamma(args: Any) -> bool:
     )
 
 
-def _shift_layernorm_weights(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _shift_layernorm_weights(
+    tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
     """Every LayerNorm weight (input, post-attention, final) as the `weight + 1` Megatron applies, so a
-    plain LayerNorm computes the same function; biases are used as stored."""
+    plain LayerNorm computes the same function; biases are used as stored. The 1 is added in fp32, as
+    Transformer Engine's zero-centred-gamma kernels add it, and the sum cast once to `dtype` (default:
+    the stored one): a 16-bit sum would round every gain (bf16's spacing near 1 is 2^-7)."""
     return {
-        name: tensor + 1 if _LAYERNORM_WEIGHT.search(name) else tensor for name, tensor in tensors.items()
+        name: (tensor.float() + 1).to(dtype or tensor.dtype) if _LAYERNORM_WEIGHT.search(name) else tensor
+        for name, tensor in tensors.items()
     }
 
 
 _LAYERNORM_WEIGHT = re.compile(r"(input_layernorm|post_attention_layernorm|final_layernorm)\.weight$")
 
 
-def _activation_from_args(args: Any) -> str:
-    """Megatron's GeLU: tanh-approximated when `openai_gelu` or the fused bias-GeLU kernel is on."""
+# [Note: which GeLU Megatron ran]
+# TNLG's `gelu_new` is the tanh approximation, `gelu` the exact (erf) GeLU. Megatron chose by the code
+# that built the model, which the tensor names tell (megatron-core `decoder.*`, legacy `language_model.*`):
+# - megatron-core: TransformerConfig.activation_func is F.gelu (exact); openai_gelu and onnx_safe are
+#   never read. The fused bias-GeLU kernel (bias_gelu_fusion, on by default) is the tanh approximation,
+#   and so is Transformer Engine's GELU (use_te_activation_func, use_transformer_engine_op_fuser).
+# - legacy ParallelMLP, by the era its args tell:
+#   before 2020-04-14 (no openai_gelu arg): Megatron's own gelu_impl, tanh;
+#   2020-04-14 to 2020-09-11 (no bias_gelu_fusion arg): openai_gelu tanh, else F.gelu or erf_gelu (exact);
+#   2020-09-11 to 2023-04-01 (no swiglu arg): bias_gelu_fusion's tanh kernel wins over everything,
+#   else openai_gelu tanh, else exact;
+#   from 2023-04-01: openai_gelu tanh, then onnx_safe's erf_gelu (exact), then the fusion's tanh, else exact.
+# Without args (bare state dicts) the default is `gelu_new`, the GeLU of GPT-2 and of Megatron's defaults.
+def _activation_from_args(args: Any, core_names: bool) -> str:
+    """Megatron's GeLU as a TNLG `hidden_act` ([Note: which GeLU Megatron ran])."""
     if args is None:
         return "gelu_new"
-    fused = getattr(args, "bias_gelu_fusion", getattr(args, "bias_activation_fusion", True))
-    return "gelu_new" if getattr(args, "openai_gelu", False) or fused else "gelu"
+    tanh = _core_gelu_is_tanh(args) if core_names else _legacy_gelu_is_tanh(args)
+    return "gelu_new" if tanh else "gelu"
+
+
+def _core_gelu_is_tanh(args: Any) -> bool:
+    if getattr(args, "use_te_activation_func", False) or getattr(
+        args, "use_transformer_engine_op_fuser", False
+    ):
+        return True
+    return bool(getattr(args, "bias_gelu_fusion", getattr(args, "bias_activation_fusion", True)))
+
+
+def _legacy_gelu_is_tanh(args: Any) -> bool:
+    if not hasattr(args, "openai_gelu") or args.openai_gelu:
+        return True
+    if getattr(args, "onnx_safe", None) and hasattr(args, "swiglu"):
+        return False  # from 2023-04 onnx_safe's erf GeLU is chosen before the fusion
+    return bool(getattr(args, "bias_gelu_fusion", False))  # no such arg before 2020-09: no fused kernel
 
 
 def from_megatron(
@@ -407,13 +526,15 @@ def from_megatron(
     """A `TNLGForCausalLM` from a Megatron GPT checkpoint.
 
     `source`: a checkpoint path (see `read_megatron_checkpoint`), one state dict, or a list of
-    state dicts, one per tensor-parallel rank in rank order. Settings absent from the tensors come
-    from the checkpoint's saved `args` when present, else from the keyword arguments:
-    `num_attention_heads` (required without args), `checkpoint_version` (legacy QKV order; default
-    3.0), `layer_norm_epsilon` (default 1e-5), `hidden_act` (from the args: `gelu_new`, the tanh GeLU,
-    when `openai_gelu` or the fused bias-GeLU kernel was on, else the exact `gelu`; without args
-    `gelu_new`). Architecture options TNLG does not implement are refused; zero-centred LayerNorm
-    weights (`apply_layernorm_1p`, `layernorm_zero_centered_gamma`) are converted to plain ones (+1).
+    state dicts, one per tensor-parallel rank in rank order. Facts about the tensors come from the
+    checkpoint when it records them, and a keyword argument that contradicts the record is refused:
+    `num_attention_heads` (from the saved args; required without them) and `checkpoint_version` (the
+    legacy QKV order; without a record Megatron's own default, 0, for a Megatron checkpoint file and
+    3.0 for bare state dicts). Settings the keyword arguments override by intent: `layer_norm_epsilon`
+    (default: the args', else 1e-5) and `hidden_act` (default: the GeLU Megatron ran, from the args, see
+    [Note: which GeLU Megatron ran]; `gelu_new` without args). Architecture options TNLG does not
+    implement are refused by name; zero-centred LayerNorm weights (`apply_layernorm_1p`,
+    `layernorm_zero_centered_gamma`) are converted to plain ones (+1, in fp32).
     `vocab_size` trims the padded embedding rows (e.g. 50257 for the GPT-2 tokenizer).
     """
     metadata: dict = {}
@@ -425,18 +546,16 @@ def from_megatron(
         shards = {(tp, 0): flatten(shard) for tp, shard in enumerate(source)}
     args = metadata.get("args")
     _refuse_unsupported_architecture(args)
+    core_names = _uses_core_names(shards)
     if hidden_act is None:
-        hidden_act = _activation_from_args(args)
-    num_attention_heads = num_attention_heads or getattr(args, "num_attention_heads", None)
-    if num_attention_heads is None:
-        raise ValueError("the checkpoint carries no args: pass num_attention_heads")
-    if checkpoint_version is None:
-        checkpoint_version = float(metadata.get("checkpoint_version", 3.0))
+        hidden_act = _activation_from_args(args, core_names)
+    num_attention_heads = _settled_heads(num_attention_heads, args)
+    checkpoint_version = _settled_checkpoint_version(checkpoint_version, metadata, core_names)
     if layer_norm_epsilon is None:
         layer_norm_epsilon = getattr(args, "norm_epsilon", getattr(args, "layernorm_epsilon", 1e-5))
     tensors = megatron_state_dict_to_tnlg(shards, num_attention_heads, checkpoint_version, vocab_size)
     if _zero_centered_gamma(args):
-        tensors = _shift_layernorm_weights(tensors)
+        tensors = _shift_layernorm_weights(tensors, dtype)
     config = _config_from_tensors(
         tensors, num_attention_heads, hidden_act=hidden_act, layer_norm_epsilon=layer_norm_epsilon
     )
