@@ -41,7 +41,7 @@ def test_a_checkpoint_without_a_version_is_read_as_version_0_like_megatron(tmp_p
     shards = megatron_shards(gpt2, style="legacy", tp=2, version=0)
     args = {"num_attention_heads": HEADS} if with_args else {}
     save_checkpoint_files(shards, tmp_path, **args)
-    with caplog.at_level(logging.INFO, logger="tnlg.tools.convert.megatron"):
+    with caplog.at_level(logging.INFO, logger="tnlg.tools.convert.megatron_args"):
         tnlg = from_megatron(tmp_path, vocab_size=VOCAB, num_attention_heads=None if with_args else HEADS)
     assert_same_function(tnlg, gpt2)
     assert (
@@ -53,14 +53,14 @@ def test_a_checkpoint_without_a_version_is_read_as_version_0_like_megatron(tmp_p
 def test_megatron_core_qkv_rows_are_per_head_whatever_the_version(tmp_path, gpt2, caplog):
     # Megatron reorders legacy query_key_value rows only; a core checkpoint without a version is not v0.
     save_checkpoint_files(megatron_shards(gpt2, style="core", tp=2), tmp_path, num_attention_heads=HEADS)
-    with caplog.at_level(logging.INFO, logger="tnlg.tools.convert.megatron"):
+    with caplog.at_level(logging.INFO, logger="tnlg.tools.convert.megatron_args"):
         assert_same_function(from_megatron(tmp_path, vocab_size=VOCAB), gpt2)
     assert "megatron-core linear_qkv rows are per head" in caplog.text
 
 
 def test_the_version_option_serves_checkpoints_that_record_none(tmp_path, gpt2, caplog):
     save_checkpoint_files(megatron_shards(gpt2, style="legacy", tp=2), tmp_path, num_attention_heads=HEADS)
-    with caplog.at_level(logging.INFO, logger="tnlg.tools.convert.megatron"):
+    with caplog.at_level(logging.INFO, logger="tnlg.tools.convert.megatron_args"):
         assert_same_function(from_megatron(tmp_path, vocab_size=VOCAB, checkpoint_version=3), gpt2)
     assert "checkpoint_version 3: given; the checkpoint records none" in caplog.text
 
