@@ -23,7 +23,8 @@ lm-eval feeds a context that is empty (a passage with no space) as the BOS token
 one that is only whitespace; here both are refused by name, as is an empty last word (a passage that
 ends with a space): they are damaged rows, not LAMBADA passages.
 
-With a process group each rank scores a contiguous share of the passages; a rank with a shorter share
+With a process group each data rank scores a contiguous share of the passages (a tensor-sliced
+replica's ranks the same ones); a rank with a shorter share
 repeats one with no weight (under ZeRO stage 3 every forward is collective), and the sums are all-reduced.
 """
 
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tnlg.inference.ranks import all_ranks_sum, model_device, rank_share
+from tnlg.inference.ranks import all_ranks_sum, model_device, rank_share, work_share
 
 
 @dataclass(frozen=True)
@@ -153,9 +154,10 @@ def encoded_last_word_scores(
         raise ValueError("no passages to evaluate")
     device = torch.device(device) if device is not None else model_device(model)
     totals = torch.zeros(2, dtype=torch.float64)  # [greedy passages, summed log-likelihood]
-    for (context_ids, target_ids), weight in rank_share(list(encoded)):
+    share = work_share(model)  # by data rank: the ranks of a sliced replica run each passage together
+    for (context_ids, target_ids), weight in rank_share(list(encoded), share):
         score = score_passage(model, context_ids, target_ids, max_length=max_length, device=device)
         if weight:  # a repeat only keeps this rank in step (0 * a log-likelihood of -inf would be nan)
             totals += torch.tensor([float(score.greedy), score.loglikelihood], dtype=torch.float64)
-    totals = all_ranks_sum(totals)
+    totals = all_ranks_sum(totals, share)
     return LastWordResult(round(totals[0].item()), len(encoded), totals[1].item())

@@ -16,8 +16,9 @@ and the denominator cover the same text, which makes models with different token
 Until this was so, the first token of each window (of the stream, with disjoint windows) had no context
 and was not scored while bits per byte counted every byte: about 1/max_length too low.
 
-Sliding-window perplexity runs distributed when a process group exists: each rank takes a contiguous
-share of the windows, ranks with a shorter share repeat one with no weight (so that under ZeRO stage 3,
+Sliding-window perplexity runs distributed when a process group exists: each data rank takes a
+contiguous share of the windows (the ranks of a tensor-sliced replica take the same ones, [Note:
+evaluation by data rank] in tnlg.inference.ranks), ranks with a shorter share repeat one with no weight (so that under ZeRO stage 3,
 where every forward pass is collective, all ranks run as many), and the sums are all-reduced.
 """
 
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tnlg.inference.ranks import all_ranks_sum, model_device, rank_share
+from tnlg.inference.ranks import all_ranks_sum, model_device, rank_share, work_share
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,8 @@ def perplexity(
     device = torch.device(device) if device is not None else model_device(model)
     stream = torch.cat([torch.tensor([prefix_token_id], dtype=torch.long), ids])
     totals = torch.zeros(2, dtype=torch.float64)  # [summed NLL, tokens scored]
-    for (begin, end, first), weight in rank_share(sliding_windows(stream.numel(), max_length, stride)):
+    share = work_share(model)  # by data rank: the ranks of a sliced replica run each window together
+    for (begin, end, first), weight in rank_share(sliding_windows(stream.numel(), max_length, stride), share):
         window = stream[begin : end - 1].to(device)[None]  # (1, W): input t predicts token t + 1
         # (W, V); no KV cache, which scoring would throw away
         logits = model(input_ids=window, use_cache=False).logits[0]
@@ -109,7 +111,7 @@ def perplexity(
         targets = stream[first:end].to(device)
         nll = -log_probs.gather(1, targets[:, None]).sum().item()
         totals += weight * torch.tensor([nll, targets.numel()], dtype=torch.float64)
-    totals = all_ranks_sum(totals)
+    totals = all_ranks_sum(totals, share)
     return PerplexityResult(totals[0].item(), int(totals[1].item()), text_bytes)
 
 
