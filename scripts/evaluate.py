@@ -33,6 +33,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tnlg.data.finetune import Rows, data_files, load_rows, validation_rows
 from tnlg.eval.harness import HARNESS, harness_results, require_lm_eval, run_lm_eval, task_manager
@@ -243,29 +244,42 @@ def refuse_replacing_other_files_results(target: Path | None, sources: dict[str,
             )
 
 
-def refuse_other_windows(target: Path | None, args: argparse.Namespace) -> None:
-    """ValueError when eval_results.json holds a perplexity of one of the --perplexity files measured
-    with another window (max_length / stride): its figure, a different measurement of the same text,
-    would be replaced. The default window is the model's positions (its config.json)."""
+def refuse_other_file_settings(target: Path | None, args: argparse.Namespace) -> None:
+    """ValueError when eval_results.json holds a result of one of the files measured with other settings:
+    a perplexity with another window (max_length / stride), either result with another --text-field (another
+    column of the file). Its figure, a different measurement, would be replaced. The default window is
+    the model's positions (its config.json); a setting an earlier result does not record is not compared."""
     earlier = earlier_results(target) if target is not None else {}
-    names = [f"perplexity:{path.name}" for path in args.perplexity]
-    measured = {name: earlier[name] for name in names if isinstance(earlier.get(name), dict)}
-    measured = {name: entry for name, entry in measured.items() if entry.get("max_length") is not None}
+    measured = {name: earlier[name] for name in result_sources(args) if isinstance(earlier.get(name), dict)}
     if not measured:
         return
+    text_field = {"text_field": args.text_field or "text"}
+    for name, entry in measured.items():
+        settings = _window(args) | text_field if name.startswith("perplexity:") else text_field
+        before = {key: entry[key] for key in settings if key in entry}
+        now = {key: settings[key] for key in before}
+        if before != now:
+            raise ValueError(
+                f"{target} already holds {name} measured with {_settings_text(before)}, not "
+                f"{_settings_text(now)} as this run would: saving would replace it; move the earlier results "
+                "away to replace them"
+            )
+
+
+def _window(args: argparse.Namespace) -> dict[str, int]:
     max_length = args.max_length
     if max_length is None:
         check_model_config(Path(args.model), TNLGConfig.model_type)
         max_length = TNLGConfig.from_pretrained(args.model).max_position_embeddings
-    window = {"max_length": max_length, "stride": args.stride or max_length}
-    for name, entry in measured.items():
-        before = {key: entry.get(key) for key in window}
-        if before != window:
-            raise ValueError(
-                f"{target} already holds {name} measured with max_length {before['max_length']} / stride "
-                f"{before['stride']}, not {window['max_length']} / {window['stride']} as this run would: saving "
-                "would replace it; move the earlier results away to replace them"
-            )
+    return {"max_length": max_length, "stride": args.stride or max_length}
+
+
+def _settings_text(settings: dict[str, Any]) -> str:
+    if settings.keys() >= {"max_length", "stride"}:  # the window as it is usually written
+        rest = {k: v for k, v in settings.items() if k not in ("max_length", "stride")}
+        window = f"max_length {settings['max_length']} / stride {settings['stride']}"
+        return ", ".join([window, *(f"{k} {v!r}" for k, v in rest.items())])
+    return ", ".join(f"{k} {v!r}" for k, v in settings.items())
 
 
 def check_harness_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -351,14 +365,16 @@ def evaluate_inputs(
     )
     selected = select_task_rows(config, args, inputs.rows, tokenizer, planned)
     names = {path: result for result, path in result_sources(args).items()}
+    column = {"text_field": args.text_field or "text"}  # which column of the file was measured
     results = {
         names[path]: score_perplexity(
             model, tokenizer, text, ids[path], path, max_length=max_length, stride=args.stride
         )
+        | column
         for path, text in inputs.texts.items()
     }
     if passages is not None:
-        results[names[args.lambada]] = score_lambada(model, passages, args.lambada, positions)
+        results[names[args.lambada]] = score_lambada(model, passages, args.lambada, positions) | column
     if config is not None:
         name, evaluation = task_result_name(config, args.split), config.evaluation
         scores = score_task(
@@ -397,7 +413,7 @@ def main(argv: list[str] | None = None) -> dict:
     manager = task_manager(tasks, args.include_path) if args.harness else None
     target = results_path(args.model)  # a damaged earlier results file stops us before the evaluations
     refuse_replacing_other_files_results(target, result_sources(args))
-    refuse_other_windows(target, args)
+    refuse_other_file_settings(target, args)
     planned = planned_measurements(args, config, tasks)
     refuse_other_measurements(target, planned)
     inputs = read_inputs(args, config)

@@ -10,7 +10,8 @@ import pytest
 
 from scripts.evaluate import main, parse_arguments
 from tnlg.eval.suite import save_results
-from tnlg.modeling import TNLGConfig
+from tnlg.inference.generation import load_tokenizer_for
+from tnlg.modeling import TNLGConfig, TNLGForCausalLM
 
 
 def refusal(argv: list[str], capsys) -> str:
@@ -105,7 +106,8 @@ def test_an_earlier_perplexity_of_another_window_is_kept(tmp_path, monkeypatch):
     }
     (tmp_path / "eval_results.json").write_text(json.dumps(earlier))
     with pytest.raises(
-        ValueError, match=r"measured with max_length 64 / stride 64, not 32 / 32 as this run would"
+        ValueError,
+        match=r"measured with max_length 64 / stride 64, not max_length 32 / stride 32 as this run",
     ):
         main(["--model", str(tmp_path), "--perplexity", str(text), "--max-length", "32"])
     assert json.loads((tmp_path / "eval_results.json").read_text()) == earlier
@@ -139,3 +141,45 @@ def test_an_interrupted_save_keeps_the_earlier_results(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert json.loads(target.read_text()) == {"perplexity:a.txt": {"perplexity": 3.0}}
     assert [path.name for path in tmp_path.iterdir()] == ["eval_results.json"]
+
+
+def test_an_earlier_result_of_another_column_is_kept(tmp_path):
+    # --text-field b replaced the perplexity of column a of the same file without a word
+    rows = tmp_path / "two.jsonl"
+    rows.write_text('{"a": "first column", "b": "second column"}\n')
+    earlier = {
+        "perplexity:two.jsonl": {
+            "source": str(rows), "max_length": 64, "stride": 64, "text_field": "a", "perplexity": 3.0,
+        },
+        "lambada:two.jsonl": {"source": str(rows), "text_field": "a", "accuracy": 0.5},
+    }  # fmt: skip
+    (tmp_path / "eval_results.json").write_text(json.dumps(earlier))
+    for measure in (["--perplexity", str(rows), "--max-length", "64"], ["--lambada", str(rows)]):
+        with pytest.raises(ValueError, match=r"measured with .*text_field 'a', not .*text_field 'b'"):
+            main(["--model", str(tmp_path), *measure, "--text-field", "b"])
+    assert json.loads((tmp_path / "eval_results.json").read_text()) == earlier
+
+
+def test_a_result_names_its_file_resolved_so_another_directory_compares_the_file(tmp_path, monkeypatch):
+    # the relative name was saved as typed: a later run elsewhere took another file of that name as the
+    # same one (and replaced its figure), and the same file reached another way as a different one
+    from tnlg.eval.suite import score_perplexity
+
+    text = tmp_path / "x" / "text.txt"
+    text.parent.mkdir()
+    text.write_text("some text to score")
+    monkeypatch.chdir(tmp_path / "x")
+    model = TNLGForCausalLM(TNLGConfig.from_preset("debug")).eval()
+    tokenizer = load_tokenizer_for("debug", "byte-level")
+    ids = tokenizer(text.read_text())["input_ids"]
+    result = score_perplexity(
+        model, tokenizer, text.read_text(), ids, Path("text.txt"), max_length=16, stride=None
+    )
+    assert result["source"] == str(text.resolve())
+    (tmp_path / "eval_results.json").write_text(json.dumps({"perplexity:text.txt": result}))
+    other = tmp_path / "y" / "text.txt"
+    other.parent.mkdir()
+    other.write_text("another text")
+    monkeypatch.chdir(tmp_path / "y")
+    with pytest.raises(ValueError, match="a different file than"):
+        main(["--model", str(tmp_path), "--perplexity", "text.txt"])

@@ -152,11 +152,17 @@ def score_perplexity(
         text_bytes=len(text.encode("utf-8")),
     )
     return {
-        "source": str(source),
+        "source": source_name(source),
         "max_length": max_length,
         "stride": stride or max_length,
         **result.as_dict(),
     }
+
+
+def source_name(source: str | Path) -> str:
+    """How a result names the file it measured: resolved, so that a later run in another directory
+    compares the file itself, not how it was spelt relative to where each run started."""
+    return str(Path(source).resolve())
 
 
 def evaluate_perplexity(
@@ -214,7 +220,7 @@ def score_lambada(
 ) -> dict[str, Any]:
     """`evaluate_lambada`'s result for passages `check_passage_tokens` encoded."""
     result = encoded_last_word_scores(model, encoded, max_length=max_length)
-    return {"source": str(source), **result.as_dict()}
+    return {"source": source_name(source), **result.as_dict()}
 
 
 # Rows, task format and generation settings, not a FinetuneConfig: eval sits below tnlg.run (which
