@@ -45,22 +45,23 @@ directly, with a cache directory besides.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import TorchDynamoPlugin
+from accelerate.utils import TorchDynamoPlugin, recursively_apply
 from torch import nn
 
 from tnlg.launch_settings import (
     accelerate_parallelism_hidden,
+    accumulation_taken_over,
     compile_config_for,
     from_environment,
     given_accumulation,
@@ -73,22 +74,27 @@ from tnlg.launch_settings import (
     zero_config_from_environment,
 )
 from tnlg.sharding import CompileConfig, DeepSpeedConfig, ParallelDims, ZeroConfig, ZeroEngine, initialize
-from tnlg.sharding.checkpoint import engine_directory, read_on_every_rank
+from tnlg.sharding.checkpoint import CheckpointError, engine_directory, read_on_every_rank
+from tnlg.sharding.collectives import Collectives
 from tnlg.sharding.deepspeed import engine_settings
-from tnlg.sharding.json_files import write_json
 from tnlg.sharding.parallel import build_groups
 from tnlg.state_files import (
-    read_checkpoint_json,
+    custom_state_files,
+    rank_state_file,
+    read_custom_states,
     read_rank_state,
     read_scheduler_states,
     restore_rng,
+    scheduler_state_files,
     write_rank_state,
-    write_scheduler_states,
+    write_state_files,
 )
 
 __all__ = ["AcceleratedEngineOptimizer", "EngineOptimizer", "ZeroAccelerator", "zero_config_from_environment"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EngineOptimizer(torch.optim.Optimizer):
@@ -211,7 +217,10 @@ class ZeroAccelerator(Accelerator):
             self.scaler = (
                 None  # the engine scales fp16 losses itself; a GradScaler on top would be dead state
             )
-            self.zero_settings = self._take_accumulation(self.zero_settings, accumulation)
+            # DeepSpeed's train_batch_size counts data-parallel replicas, not tensor slices or stages.
+            self.zero_settings, self.gradient_accumulation_steps = accumulation_taken_over(
+                self.zero_settings, accumulation, self.gradient_accumulation_steps, self.data_parallel_size
+            )
         self.engines: list[ZeroEngine] = []
         # The engine compiles the blocks itself: prepare() never reaches Accelerate's whole-model compile.
         self.compile_config = None
@@ -222,29 +231,6 @@ class ZeroAccelerator(Accelerator):
             self.state.dynamo_plugin = TorchDynamoPlugin(backend="no")
         elif compile_config is not None:
             raise ValueError("compile_config= needs the ZeRO engine on (zero_config or TNLG_ZERO_* settings)")
-
-    def _take_accumulation(self, settings: DeepSpeedConfig, given: int | None) -> DeepSpeedConfig:
-        """The Accelerator accumulates (see the module docs): it adopts the steps the config sets or
-        implies, refuses different ones it was given, checks the batch keys against the data-parallel size, and
-        leaves the engine an accumulation of 1 (no double accumulation)."""
-        training = settings.training
-        # DeepSpeed's train_batch_size counts data-parallel replicas: tensor slices and pipeline stages
-        # of one replica read the same samples.
-        replicas = self.data_parallel_size
-        implied = training.implied_accumulation(replicas)
-        steps = implied if implied is not None else self.gradient_accumulation_steps
-        dataclasses.replace(
-            settings, training=training.replace(gradient_accumulation_steps=steps)
-        ).batch_sizes(replicas)
-        if implied is not None and given is not None and implied != given:
-            raise ValueError(
-                f"gradient accumulation: {settings.source} sets {implied} steps but the Accelerator was given "
-                f"gradient_accumulation_steps={given}: change one of them to agree with the other"
-            )
-        self.gradient_accumulation_steps = steps
-        return dataclasses.replace(
-            settings, training=training.replace(gradient_accumulation_steps=1, train_batch_size=None)
-        )
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args: Any, device_placement: list[bool] | None = None):
@@ -389,6 +375,16 @@ class ZeroAccelerator(Accelerator):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if not self.engines:
             return super().backward(loss, **kwargs)
+        # The engine's backward takes the loss alone: it scales it (fp16) and its hooks reduce each gradient
+        # as the pass produces it, so a retained graph, higher-order gradients or a partial backward
+        # (`inputs`) cannot go through it. Refused by name rather than dropped (the default values pass).
+        given = [name for name, value in kwargs.items() if value is not None and value is not False]
+        if given:
+            raise ValueError(
+                f"ZeroAccelerator.backward(loss, {', '.join(f'{name}=...' for name in given)}): the ZeRO engine's "
+                "backward takes the loss alone and cannot pass "
+                f"{', '.join(given)} on; call accelerator.backward(loss) (for a second backward, run the forward again)"
+            )
         self.engines[0].backward(loss / self.gradient_accumulation_steps)
 
     @contextlib.contextmanager
@@ -400,6 +396,26 @@ class ZeroAccelerator(Accelerator):
             return
         with engine.no_sync():
             yield
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Accelerate's, except that under tensor slicing or pipeline stages it gathers over the data-parallel
+        group only: the ranks of a tensor (or pipeline) group read the same samples, so gathering over
+        every process would return each sample once per such rank."""
+        if self.parallel_groups is None or self.data_parallel_size == self.num_processes:
+            return super().gather_for_metrics(input_data, use_gather_object)
+        try:
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+        except TypeError:  # not all tensors: gathered as objects, as Accelerate does
+            use_gather_object = True
+        data = _gather_over(self.parallel_groups.data, input_data, use_gather_object)
+        # Accelerate's rule for the last batch: the samples the sampler repeated to even it out are dropped
+        # (remainder: the dataset's length modulo the batch over the data-parallel ranks).
+        remainder = self.gradient_state.remainder
+        if not self.gradient_state.end_of_dataloader or remainder <= 0:
+            return data
+        if use_gather_object:
+            return data[:remainder]
+        return recursively_apply(lambda tensor: tensor[:remainder], data)
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2):
         if not self.engines:
@@ -433,46 +449,89 @@ class ZeroAccelerator(Accelerator):
     def save_state(
         self, output_dir: str | Path | None = None, safe_serialization: bool = True, **kwargs: Any
     ):
-        """Every rank writes its engine shard and RNG states; the main process the schedulers and the
-        objects registered with `register_for_checkpointing`. JSON and safetensors, no pickles; the
-        layout of a run checkpoint (see tnlg.state_files)."""
+        """Every rank writes its engine shard and its rank state (RNG states, `accelerator.step`); the main
+        process the schedulers and the objects registered with `register_for_checkpointing` (tensors in
+        safetensors, the rest JSON: no pickles). The layout of a run checkpoint (see tnlg.state_files).
+        `register_save_state_pre_hook` hooks run first, given the prepared models and, as under Accelerate's
+        DeepSpeed, no weights: the engine writes its own shards."""
         if not self.engines:
             return super().save_state(output_dir, safe_serialization, **kwargs)
         if output_dir is None:
             raise ValueError("ZeroAccelerator.save_state needs an output_dir")
         directory = Path(output_dir)
-        self.engines[0].save_checkpoint(engine_directory(directory))  # collective; creates the directory
-        write_rank_state(directory, self.process_index)
-        if self.is_main_process:
-            write_scheduler_states(directory, self._schedulers)
-            for index, obj in enumerate(self._custom_objects):
-                write_json(directory / f"custom-{index}.json", obj.state_dict())
-        self.wait_for_everyone()
+        directory.mkdir(parents=True, exist_ok=True)
+
+        def prepare() -> dict[str, bytes]:
+            for hook in self._save_model_state_pre_hook.values():
+                hook(self._models, [], str(directory))
+            if not self.is_main_process:
+                return {}
+            return {**scheduler_state_files(self._schedulers), **custom_state_files(self._custom_objects)}
+
+        # Everything that can fail on one process alone (a hook, a state_dict that JSON and safetensors
+        # cannot hold) fails on every process before the engine writes a byte; the writes after it agree too.
+        files = self._on_every_rank(prepare)
+        self.engines[0].save_checkpoint(engine_directory(directory))  # collective
+
+        def write() -> None:
+            write_rank_state(directory, self.process_index, accelerator_step=self.step)
+            write_state_files(directory, files)
+
+        self._on_every_rank(write)
         return str(directory)
 
     def load_state(self, input_dir: str | Path | None = None, **kwargs: Any) -> None:
+        """What `save_state` wrote, restored: the engine's shards, the schedulers, the registered objects,
+        this rank's RNG states and `accelerator.step`. `register_load_state_pre_hook` hooks run first,
+        given (as under Accelerate's DeepSpeed) no models to load: the engine loads its own shards."""
         if not self.engines:
             return super().load_state(input_dir, **kwargs)
         if input_dir is None:
             raise ValueError("ZeroAccelerator.load_state needs an input_dir")
-        directory, engine = Path(input_dir), self.engines[0]
+        directory = Path(input_dir)
 
         def read_states() -> tuple[list[dict], list[Any], dict[str, Any]]:
+            for hook in self._load_model_state_pre_hook.values():
+                hook([], str(directory))
             schedulers = read_scheduler_states(directory, len(self._schedulers))
-            customs = [
-                read_checkpoint_json(directory / f"custom-{i}.json") for i in range(len(self._custom_objects))
-            ]
+            customs = read_custom_states(directory, len(self._custom_objects))
             return schedulers, customs, read_rank_state(directory, self.process_index)
 
         # As a run checkpoint's resume: every file is read, and every rank agrees it could be, before
         # anything is restored (no rank left waiting in the engine's load for one that failed).
-        schedulers, customs, own = read_on_every_rank(engine.collectives, read_states)
-        engine.load_checkpoint(engine_directory(directory))
+        schedulers, customs, own = self._on_every_rank(read_states)
+        self.engines[0].load_checkpoint(engine_directory(directory))
         for scheduler, state in zip(self._schedulers, schedulers, strict=True):
             scheduler.load_state_dict(state)
         for obj, state in zip(self._custom_objects, customs, strict=True):
             obj.load_state_dict(state)
         restore_rng(own["rng"])
+        self._restore_step(own, rank_state_file(directory, self.process_index))
+
+    def _restore_step(self, own: Mapping[str, Any], path: Path) -> None:
+        """`accelerator.step` (the accumulation counter) as saved; a file from before it was saved has none."""
+        if "accelerator_step" in own:
+            self.step = int(own["accelerator_step"])
+        else:
+            logger.warning(
+                "%s holds no accelerator step (saved before save_state kept it): accelerator.step stays %d",
+                path,
+                self.step,
+            )
+
+    def _on_every_rank(self, work: Callable[[], T]) -> T:
+        """`work()` on this process, then every process agrees it succeeded everywhere (over the world, not
+        the engine's data group): a failure on one raises on all, so none is left waiting in a collective."""
+
+        def checked() -> T:
+            try:
+                return work()
+            except CheckpointError:
+                raise
+            except Exception as error:  # a user's hook or state_dict: any failure must reach every rank
+                raise CheckpointError(f"{type(error).__name__}: {error}") from error
+
+        return read_on_every_rank(Collectives(), checked)
 
     def save_model(
         self,
@@ -506,3 +565,21 @@ class ZeroAccelerator(Accelerator):
                 save_file(state, directory / "model.safetensors")
                 write_checksums(directory, ["model.safetensors"])
         self.wait_for_everyone()
+
+
+def _gather_over(group: dist.ProcessGroup, data: Any, as_objects: bool) -> Any:
+    """`data` from every rank of `group`, concatenated along the first dimension (tensors; equal shapes,
+    as Accelerate's gather needs) or as one flat list (objects, as Accelerate's gather_object)."""
+    size = dist.get_world_size(group)
+    if as_objects:
+        parts: list[Any] = [None] * size
+        dist.all_gather_object(parts, data, group=group)
+        return [item for part in parts for item in part]
+
+    def gather_one(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.reshape(1) if tensor.ndim == 0 else tensor.contiguous()
+        pieces = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(pieces, tensor, group=group)
+        return torch.cat(pieces)
+
+    return recursively_apply(gather_one, data, error_on_other_type=True)

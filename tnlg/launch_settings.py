@@ -142,6 +142,29 @@ def given_accumulation(given: Mapping[str, Any]) -> int | None:
     return given.get("gradient_accumulation_steps")
 
 
+def accumulation_taken_over(
+    settings: DeepSpeedConfig, given: int | None, running: int, replicas: int
+) -> tuple[DeepSpeedConfig, int]:
+    """The Accelerator accumulates (see tnlg/accelerate.py): it adopts the steps the config sets or implies,
+    refuses different ones it was `given`, checks the batch keys against the `replicas` (the data-parallel
+    size: tensor slices and pipeline stages of one replica read the same samples), and leaves the engine an
+    accumulation of 1 (no double accumulation). Returns the engine's settings and the Accelerator's steps
+    (the config's, else the `running` ones)."""
+    training = settings.training
+    implied = training.implied_accumulation(replicas)
+    steps = implied if implied is not None else running
+    dataclasses.replace(settings, training=training.replace(gradient_accumulation_steps=steps)).batch_sizes(
+        replicas
+    )
+    if implied is not None and given is not None and implied != given:
+        raise ValueError(
+            f"gradient accumulation: {settings.source} sets {implied} steps but the Accelerator was given "
+            f"gradient_accumulation_steps={given}: change one of them to agree with the other"
+        )
+    engine = training.replace(gradient_accumulation_steps=1, train_batch_size=None)
+    return dataclasses.replace(settings, training=engine), steps
+
+
 def launch_mixed_precision(given: Mapping[str, Any]) -> tuple[str, str]:
     """The mixed precision Accelerate itself will run at (the keyword, else `ACCELERATE_MIXED_PRECISION`,
     which `accelerate launch --mixed_precision` and `accelerate config` set), and how to name it in errors.

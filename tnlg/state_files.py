@@ -8,22 +8,37 @@ tnlg.sharding.checkpoint) and, beside it, what the engine does not save:
     DIR/scheduler.json    the first learning-rate scheduler's state_dict; the others, if any, in
                           scheduler-1.json, scheduler-2.json, ... (Accelerate's save_state numbers
                           its schedulers the same way)
+    DIR/custom-i.json     (save_state) the i-th object registered with `register_for_checkpointing`:
+                          its state_dict as JSON, each tensor in it replaced by {"__tensor__": key}
+                          naming its entry in DIR/custom-i.safetensors (absent when it holds none)
 
-(ZeroTrainer writes only the scheduler: the Trainer saves its own RNG states.) JSON only, no pickles;
-every read error is a `CheckpointError` naming the file.
+(ZeroTrainer writes only the scheduler: the Trainer saves its own RNG states.) JSON and safetensors,
+no pickles. The main process's files are encoded in memory first (`scheduler_state_files`,
+`custom_state_files`; a state_dict they cannot hold is a `CheckpointError` before anything is written)
+and written through staging names (`write_state_files`), so no file is left half-written under its
+own name. Every read error is a `CheckpointError` naming the file.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 from tnlg.sharding.checkpoint import CheckpointError
-from tnlg.sharding.json_files import read_json, write_json
+from tnlg.sharding.json_files import read_json, write_json_atomic
+
+logger = logging.getLogger(__name__)
 
 
 class Stateful(Protocol):
@@ -41,8 +56,9 @@ def rank_state_file(directory: Path, rank: int) -> Path:
 
 
 def write_rank_state(directory: Path, rank: int, **extra: Any) -> None:
-    """This process's RNG states (and the caller's `extra` fields) in `rank_state_file`."""
-    write_json(rank_state_file(directory, rank), {**extra, "rng": rng_state()})
+    """This process's RNG states (and the caller's `extra` fields) in `rank_state_file`, through a staging
+    name: a failed write leaves no half file under its name."""
+    write_json_atomic(rank_state_file(directory, rank), {**extra, "rng": rng_state()})
 
 
 def read_rank_state(directory: Path, rank: int) -> dict[str, Any]:
@@ -58,10 +74,15 @@ def read_rank_state(directory: Path, rank: int) -> dict[str, Any]:
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's generators: Python's, torch's CPU one and, with CUDA, its current device's only
-    (`"cuda"`, one state: a rank uses one device, and every rank writing every visible device's
-    state would make its file grow with the GPUs per node and restore other ranks' devices)."""
-    state = {"python": _jsonable(random.getstate()), "torch": torch.get_rng_state().tolist()}
+    """This process's generators: Python's, numpy's global one (Accelerate saves it too: data pipelines
+    draw from it), torch's CPU one and, with CUDA, its current device's only (`"cuda"`, one state: a
+    rank uses one device, and every rank writing every visible device's state would make its file grow
+    with the GPUs per node and restore other ranks' devices)."""
+    state = {
+        "python": _jsonable(random.getstate()),
+        "numpy": _jsonable(np.random.get_state(legacy=True)),
+        "torch": torch.get_rng_state().tolist(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state().tolist()
     return state
@@ -73,11 +94,25 @@ def restore_rng(state: dict[str, Any]) -> None:
     it has one."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
+    _restore_numpy(state.get("numpy"))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
         cuda = _current_device_state(state["cuda"])
         if cuda is not None:
             torch.cuda.set_rng_state(torch.tensor(cuda, dtype=torch.uint8))
+
+
+def _restore_numpy(saved: list | None) -> None:
+    """numpy's global generator from what `rng_state` wrote; a file written before it saved numpy's
+    state has none, and that is said rather than passed over."""
+    if saved is None:
+        logger.warning(
+            "the saved RNG states hold no numpy state (written before tnlg saved it): numpy's global "
+            "generator is left as it is, so numpy draws differ from an uninterrupted run"
+        )
+        return
+    name, keys, position, has_gauss, cached = saved
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
 
 
 def _current_device_state(saved: list) -> list[int] | None:
@@ -94,24 +129,62 @@ def reseed_rng(step: int, rank: int) -> None:
     rank, and the same on every relaunch."""
     seed = (step * 1_000_003 + rank) % 2**32
     random.seed(seed)
+    np.random.seed(seed)
     torch.manual_seed(seed)
 
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, tuple | list):
         return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
     return value
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def write_state_files(directory: Path, files: Mapping[str, bytes]) -> None:
+    """Each of `files` ({name: contents}) on disk in `directory` before this returns, through a staging
+    name renamed over it: a failure midway leaves no file that looks whole."""
+    for name, contents in files.items():
+        path = directory / name
+        staging = path.with_name(path.name + ".tmp")
+        with open(staging, "wb") as handle:
+            handle.write(contents)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(staging, path)
+
+
+def _json_bytes(value: Any, what: str) -> bytes:
+    """`value` as the JSON `write_json` writes; a value JSON cannot hold is a `CheckpointError` naming `what`."""
+    try:
+        return json.dumps(value).encode("utf-8")
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{what} cannot be saved: {error}") from error
 
 
 # ---------------------------------------------------------------------------------------------- schedulers
 def scheduler_file(directory: Path, index: int = 0) -> Path:
-    return directory / ("scheduler.json" if index == 0 else f"scheduler-{index}.json")
+    return directory / _scheduler_name(index)
+
+
+def _scheduler_name(index: int) -> str:
+    return "scheduler.json" if index == 0 else f"scheduler-{index}.json"
+
+
+def scheduler_state_files(schedulers: Sequence[Stateful]) -> dict[str, bytes]:
+    """Each scheduler's state_dict, encoded for its `scheduler_file` (see `write_state_files`)."""
+    return {
+        _scheduler_name(index): _json_bytes(
+            scheduler.state_dict(), f"the state_dict of scheduler {index} ({type(scheduler).__name__})"
+        )
+        for index, scheduler in enumerate(schedulers)
+    }
 
 
 def write_scheduler_states(directory: Path, schedulers: Sequence[Stateful]) -> None:
     """Each scheduler's state_dict in its `scheduler_file` (the main process writes them)."""
-    for index, scheduler in enumerate(schedulers):
-        write_json(scheduler_file(directory, index), scheduler.state_dict())
+    write_state_files(directory, scheduler_state_files(schedulers))
 
 
 def read_scheduler_states(directory: Path, count: int) -> list[dict[str, Any]]:
@@ -125,3 +198,78 @@ def _existing_scheduler_file(directory: Path, index: int) -> Path:
     path = scheduler_file(directory, index)
     legacy = directory / "scheduler-0.json"
     return legacy if index == 0 and not path.exists() and legacy.is_file() else path
+
+
+# ---------------------------------------------------------------------------------------------- custom objects
+TENSOR_KEY = "__tensor__"  # where a tensor was in a custom object's JSON: {"__tensor__": its safetensors key}
+
+
+def custom_files(index: int) -> tuple[str, str]:
+    """The JSON and safetensors file names of the `index`-th registered object."""
+    return f"custom-{index}.json", f"custom-{index}.safetensors"
+
+
+def custom_state_files(objects: Sequence[Stateful]) -> dict[str, bytes]:
+    """The state_dict of each object registered with `register_for_checkpointing`, encoded: its
+    tensors (an EMA module's weights, say) in safetensors, the rest in JSON. A value neither holds is a
+    `CheckpointError` naming the object, raised before anything is written."""
+    files: dict[str, bytes] = {}
+    for index, obj in enumerate(objects):
+        what = f"the state_dict of the object registered for checkpointing #{index} ({type(obj).__name__})"
+        tensors: dict[str, torch.Tensor] = {}
+        structure = _tensors_taken_out(obj.state_dict(), tensors)
+        json_name, tensor_name = custom_files(index)
+        files[json_name] = _json_bytes(structure, what)
+        if tensors:
+            try:
+                files[tensor_name] = safetensors_bytes(tensors)
+            except (TypeError, ValueError, SafetensorError) as error:  # a sparse tensor, say
+                raise CheckpointError(f"{what} cannot be saved as safetensors: {error}") from error
+    return files
+
+
+def read_custom_states(directory: Path, count: int) -> list[Any]:
+    """The state_dicts `custom_state_files` encoded for the first `count` objects (a directory written
+    before tensors were kept apart holds the JSON alone, and reads the same)."""
+    states = []
+    for index in range(count):
+        json_name, tensor_name = custom_files(index)
+        tensors: dict[str, torch.Tensor] = {}
+        if (directory / tensor_name).exists():
+            try:
+                tensors = load_file(directory / tensor_name)
+            except (OSError, SafetensorError) as error:
+                raise CheckpointError(f"{directory / tensor_name} cannot be read: {error}") from error
+        states.append(
+            _tensors_put_back(read_checkpoint_json(directory / json_name), tensors, directory / json_name)
+        )
+    return states
+
+
+def _tensors_taken_out(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """`value` with each tensor moved into `tensors` (a CPU copy of its own: safetensors refuses shared
+    storage) and a `TENSOR_KEY` reference left in its place."""
+    if isinstance(value, torch.Tensor):
+        key = str(len(tensors))
+        tensors[key] = value.detach().to("cpu", copy=True).contiguous()
+        return {TENSOR_KEY: key}
+    if isinstance(value, Mapping):
+        return {key: _tensors_taken_out(item, tensors) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_tensors_taken_out(item, tensors) for item in value]
+    return value
+
+
+def _tensors_put_back(value: Any, tensors: Mapping[str, torch.Tensor], path: Path) -> Any:
+    if isinstance(value, dict) and value.keys() == {TENSOR_KEY}:
+        key = value[TENSOR_KEY]
+        if key not in tensors:
+            raise CheckpointError(
+                f"{path} refers to tensor {key!r}, which its .safetensors file does not hold"
+            )
+        return tensors[key]
+    if isinstance(value, dict):
+        return {key: _tensors_put_back(item, tensors, path) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_tensors_put_back(item, tensors, path) for item in value]
+    return value

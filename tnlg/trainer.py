@@ -27,6 +27,11 @@ neither, it is a plain `Trainer`. What the engine changes:
   (`scheduler.json`, see tnlg.state_files) next to the Trainer's own files; resuming restores them
   exactly, and `load_best_model_at_end` restores the best checkpoint's shards. A checkpoint written
   with the old `zero/` directory is refused with the rename that makes it load.
+- `save_only_model=True` checkpoints hold the consolidated weights alone: `load_best_model_at_end` loads
+  them into the engine as the plain Trainer loads them into its model (exact: they are the fp32 master
+  weights; stages 0-2 without tensor slicing or pipeline stages, whose engines take a full state dict;
+  the others are refused when the trainer is built). Resuming from one is refused, naming
+  `save_only_model`: with no optimizer or scheduler state it could not continue exactly.
 """
 
 from __future__ import annotations
@@ -40,9 +45,18 @@ from pathlib import Path
 from typing import Any
 
 from transformers import Trainer, TrainingArguments
+from transformers.trainer import OPTIMIZER_NAME
+from transformers.utils import (
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
 
 from tnlg.accelerate import ZeroAccelerator
-from tnlg.launch_settings import refuse_environment_beside, settings_from_environment
+from tnlg.launch_settings import launch_mixed_precision, refuse_environment_beside, settings_from_environment
 from tnlg.sharding import DeepSpeedConfig, ZeroConfig, ZeroEngine
 from tnlg.sharding.checkpoint import engine_directory
 from tnlg.sharding.deepspeed import TrainingConfig, engine_settings
@@ -50,6 +64,16 @@ from tnlg.sharding.deepspeed.zero_checkpoint import is_deepspeed_checkpoint
 from tnlg.state_files import read_scheduler_states, write_scheduler_states
 
 logger = logging.getLogger(__name__)
+
+# What Trainer.save_model writes: one weights file or a sharded one's index (an adapter's for PEFT models).
+_WEIGHT_FILES = (
+    SAFE_WEIGHTS_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    ADAPTER_WEIGHTS_NAME,
+)
 
 
 def _config_name(settings: DeepSpeedConfig) -> str:
@@ -129,6 +153,33 @@ def _without_batch_keys(settings: DeepSpeedConfig, args: TrainingArguments) -> D
     )
 
 
+def _precision_setting(args: TrainingArguments) -> str:
+    """How the user set the Trainer's mixed precision, for errors: its flag, else the launcher's variable."""
+    flag = next((name for name in ("fp16", "bf16") if getattr(args, name)), None)
+    return f"TrainingArguments.{flag}=True" if flag else launch_mixed_precision({})[1]
+
+
+def _refuse_best_weights_it_cannot_load(accelerator: ZeroAccelerator, args: TrainingArguments) -> None:
+    """save_only_model checkpoints hold the consolidated weights only, and load_best_model_at_end loads them
+    back through the module's load_state_dict, which reaches the fp32 master at stages 0-2 of an unsliced
+    engine only (see [Note: module loads] in sharding/module_loads.py): refused before training, not after."""
+    if not (args.save_only_model and args.load_best_model_at_end):
+        return
+    dims = accelerator.parallel_dims
+    layout = ["ZeRO stage 3"] if accelerator.zero_config.stage == 3 else []
+    if dims is not None and dims.tensor > 1:
+        layout.append(f"tensor slicing ({dims.tensor} slices)")
+    if dims is not None and dims.pipeline > 1:
+        layout.append(f"{dims.pipeline} pipeline stages")
+    if layout:
+        raise ValueError(
+            f"save_only_model=True with load_best_model_at_end=True under {' and '.join(layout)}: those "
+            "checkpoints hold only the consolidated weights, which this sharded engine cannot load back; set "
+            "save_only_model=False (the best checkpoint's engine shards are then restored) or "
+            "load_best_model_at_end=False"
+        )
+
+
 class ZeroTrainer(Trainer):
     """A `Trainer` that shards the model and optimizer with tnlg's ZeRO engine (see the module docs)."""
 
@@ -159,6 +210,7 @@ class ZeroTrainer(Trainer):
             zero_config=_without_batch_keys(settings, self.args), **self._accelerator_arguments
         )
         _check_batch_keys(settings, self.args, accelerator.data_parallel_size)
+        _refuse_best_weights_it_cannot_load(accelerator, self.args)
         asked = self.args.deepspeed or self.args.fsdp or self.args.fsdp_plugin_args is not None
         if asked or self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
@@ -193,6 +245,8 @@ class ZeroTrainer(Trainer):
         if settings is None:
             return None
         _refuse_a_scheduler_section(settings)
+        # Settled here, where the precision can be named as the user set it (TrainingArguments.fp16, say).
+        settings = settings.with_mixed_precision(mixed_precision, _precision_setting(self.args))
         return _with_max_grad_norm(settings, max_grad_norm)
 
     @property
@@ -230,16 +284,9 @@ class ZeroTrainer(Trainer):
         directory = Path(checkpoint)
         engine = engine_directory(directory)  # the old zero/ layout: an error saying to rename it
         if not engine.is_dir():
-            written = (
-                "it is a DeepSpeed checkpoint (a Trainer run with deepspeed=), which a ZeroTrainer does not "
-                "resume: start from its weights (scripts/convert_checkpoint.py --from deepspeed, then "
-                "from_pretrained), or load all of it into trainer.engine with engine.load_checkpoint"
-                if is_deepspeed_checkpoint(directory)
-                else "it was not written by a ZeroTrainer with the ZeRO engine on"
-            )
             raise FileNotFoundError(
-                f"{directory} has no {engine.name}/ engine checkpoint: {written}, so its optimizer state "
-                "cannot be restored"
+                f"{directory} has no {engine.name}/ engine checkpoint to restore the optimizer state from: "
+                f"{_why_no_engine(directory)}"
             )
         self.engine.load_checkpoint(engine)
         if self.lr_scheduler is not None:
@@ -249,6 +296,30 @@ class ZeroTrainer(Trainer):
     def _load_best_model(self) -> None:
         if self.engine is None:
             return super()._load_best_model()
+        if self.args.save_only_model:
+            # The checkpoints hold the consolidated fp32 master weights only: the Trainer loads them into
+            # self.model, the engine's module, whose loads write the master too (stages 0-2 of an unsliced
+            # engine, as checked when the trainer was built). The optimizer state stays, as with the plain Trainer.
+            return super()._load_best_model()
         best = Path(self.state.best_model_checkpoint)
         logger.info("loading the best model from %s (score: %s)", best, self.state.best_metric)
         self.engine.load_checkpoint(engine_directory(best))
+
+
+def _why_no_engine(directory: Path) -> str:
+    """What a checkpoint without engine shards is, and how to go on from it."""
+    if is_deepspeed_checkpoint(directory):
+        return (
+            "it is a DeepSpeed checkpoint (a Trainer run with deepspeed=), which a ZeroTrainer does not "
+            "resume: start from its weights (scripts/convert_checkpoint.py --from deepspeed, then "
+            "from_pretrained), or load all of it into trainer.engine with engine.load_checkpoint"
+        )
+    if (directory / OPTIMIZER_NAME).is_file():
+        return f"it was written by a Trainer without the ZeRO engine (its {OPTIMIZER_NAME} is unsharded)"
+    if any((directory / name).is_file() for name in _WEIGHT_FILES):
+        return (
+            "it was saved with save_only_model=True, which keeps the model's weights alone (no optimizer or "
+            "scheduler state), so training cannot resume from it exactly: start a new run from its weights "
+            "(from_pretrained on that directory), or save checkpoints without save_only_model to resume"
+        )
+    return "it was not written by a ZeroTrainer with the ZeRO engine on"

@@ -4,6 +4,7 @@ applies as DeepSpeed's engine does; `engine_optimizer` builds the optimizer the 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -164,10 +165,19 @@ class DeepSpeedConfig:
             return self
         if zero.mixed_precision != "no":
             raise ValueError(
-                f"{given} conflicts with {self.source}, which enables {zero.mixed_precision}: change one of "
-                "them to agree with the other"
+                f"{given} conflicts with {self.stated('mixed_precision')}, which enables {zero.mixed_precision}: "
+                "change one of them to agree with the other"
             )
         return replace(self, zero=zero.replace(mixed_precision=mixed_precision))
+
+    def stated(self, field: str) -> str:
+        """Where this config sets ZeroConfig `field`, for errors, as the user wrote it: the DeepSpeed key
+        (`bf16.enabled: true in ds.json`), else the ZeroConfig field (`ZeroConfig.mixed_precision='bf16'`)."""
+        if field in self.zero_sources:
+            key, raw = self.zero_sources[field]
+            return f"{key}: {json.dumps(raw, default=str)} in {self.source}"
+        where = "" if self.source == DeepSpeedConfig.source else f" in {self.source}"
+        return f"ZeroConfig.{field}={getattr(self.zero, field)!r}{where}"
 
     def batch_sizes(self, world_size: int) -> BatchSizes:
         """`TrainingConfig.batch_sizes`, its error naming the config."""

@@ -4,23 +4,30 @@ read back, damaged ones named, and `save_state` directories from before the one 
 from __future__ import annotations
 
 import json
+import logging
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from tnlg.sharding.checkpoint import CheckpointError
 from tnlg.state_files import (
+    custom_state_files,
+    read_custom_states,
     read_rank_state,
     read_scheduler_states,
     restore_rng,
     rng_state,
     write_rank_state,
     write_scheduler_states,
+    write_state_files,
 )
 
 
-class Scheduler:
+class HasState:
+    """A scheduler or a registered object: what saving reads of it."""
+
     def __init__(self, state):
         self.state = state
 
@@ -31,13 +38,16 @@ class Scheduler:
 def test_rank_states_and_schedulers_round_trip_and_restore_the_generators(tmp_path):
     torch.manual_seed(1)
     random.seed(1)
+    np.random.seed(1)
+    np.random.randn()  # numpy's state includes a cached Gaussian after an odd number of normal draws
     write_rank_state(tmp_path, 3, step=7)
-    write_scheduler_states(tmp_path, [Scheduler({"a": 1}), Scheduler({"b": 2})])
-    expected = (torch.rand(3), random.random())
+    write_scheduler_states(tmp_path, [HasState({"a": 1}), HasState({"b": 2})])
+    expected = (torch.rand(3), random.random(), np.random.randn(3))
     state = read_rank_state(tmp_path, 3)
     assert state["step"] == 7
     restore_rng(state["rng"])
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    assert np.array_equal(np.random.randn(3), expected[2])
     assert read_scheduler_states(tmp_path, 2) == [{"a": 1}, {"b": 2}]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "rank-00003.json",
@@ -46,11 +56,50 @@ def test_rank_states_and_schedulers_round_trip_and_restore_the_generators(tmp_pa
     ]
 
 
+def test_rng_states_without_numpys_load_and_say_so(caplog):
+    state = rng_state()
+    del state["numpy"]  # written before numpy's state was saved
+    np.random.seed(5)
+    expected = np.random.rand()
+    np.random.seed(5)
+    with caplog.at_level(logging.WARNING, logger="tnlg.state_files"):
+        restore_rng(state)
+    assert "hold no numpy state" in caplog.text
+    assert np.random.rand() == expected  # left as it was
+
+
+def test_registered_objects_keep_their_tensors_in_safetensors(tmp_path):
+    shared = torch.arange(6.0).reshape(2, 3)
+    state = {"decay": 0.99, "shadow": {"w": shared, "w_view": shared[0]}, "history": [torch.ones(2), 3]}
+    write_state_files(tmp_path, custom_state_files([HasState(state), HasState({"count": 3})]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "custom-0.json",
+        "custom-0.safetensors",
+        "custom-1.json",
+    ]
+    first, second = read_custom_states(tmp_path, 2)
+    assert first["decay"] == 0.99 and first["history"][1] == 3 and second == {"count": 3}
+    torch.testing.assert_close(first["shadow"]["w"], shared, rtol=0, atol=0)
+    torch.testing.assert_close(first["shadow"]["w_view"], shared[0], rtol=0, atol=0)
+    torch.testing.assert_close(first["history"][0], torch.ones(2), rtol=0, atol=0)
+
+
+def test_a_state_dict_neither_format_holds_is_named_before_anything_is_written(tmp_path):
+    with pytest.raises(CheckpointError, match=r"registered for checkpointing #1 \(HasState\)"):
+        custom_state_files([HasState({"ok": 1}), HasState({"handle": object()})])
+    (tmp_path / "custom-0.safetensors").write_bytes(b"\x00\x01")  # damaged
+    (tmp_path / "custom-0.json").write_text('{"w": {"__tensor__": "0"}}')
+    with pytest.raises(CheckpointError, match=r"custom-0\.safetensors cannot be read"):
+        read_custom_states(tmp_path, 1)
+
+
 def test_a_save_state_directory_of_the_earlier_layout_is_read(tmp_path):
     (tmp_path / "rng-rank-00001.json").write_text(json.dumps(rng_state()))
     (tmp_path / "scheduler-0.json").write_text(json.dumps({"last_epoch": 4}))
     assert read_rank_state(tmp_path, 1)["rng"]["torch"] == rng_state()["torch"]
     assert read_scheduler_states(tmp_path, 1) == [{"last_epoch": 4}]
+    (tmp_path / "custom-0.json").write_text(json.dumps({"count": 2}))  # JSON only, no tensor file
+    assert read_custom_states(tmp_path, 1) == [{"count": 2}]
 
 
 @pytest.mark.parametrize(

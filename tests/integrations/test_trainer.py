@@ -171,7 +171,7 @@ def test_the_engine_is_selected_by_argument_or_environment_and_conflicts_are_nam
     assert bf16["losses"][-1] < bf16["losses"][0]
 
 
-def _best_model(rank: int, world_size: int, directory: str) -> dict:
+def _best_model(rank: int, world_size: int, directory: str, stage: int, save_only_model: bool) -> dict:
     from transformers import TrainingArguments
 
     from tests.support.trainer_cases import dataset
@@ -185,24 +185,82 @@ def _best_model(rank: int, world_size: int, directory: str) -> dict:
         load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=False,
         # An eval set unlike the training data: the training steps make its loss worse after a point,
         # so the best checkpoint is not simply the last one.
-        disable_tqdm=True,
+        disable_tqdm=True, save_only_model=save_only_model,
     )  # fmt: skip
     rows = torch.randint(0, 512, (4, 24), generator=torch.Generator().manual_seed(3))
     held_out = [{"input_ids": row, "labels": row} for row in rows]
     trainer = ZeroTrainer(
         model=debug_model(), args=args, train_dataset=dataset(1), eval_dataset=held_out,
-        zero_config=ZeroConfig(stage=3),
+        zero_config=ZeroConfig(stage=stage),
     )  # fmt: skip
     trainer.train()
     return {"best": trainer.state.best_model_checkpoint, "state": trainer.engine.full_state_dict()}
 
 
 @pytest.mark.slow
-def test_load_best_model_at_end_restores_the_best_checkpoint_shards(tmp_path):
-    result = run_distributed(_best_model, 1, str(tmp_path), timeout=300)[0]
+@pytest.mark.parametrize(
+    ("stage", "save_only_model"),
+    # save_only_model: the checkpoints hold the consolidated weights alone, loaded as the plain Trainer loads them
+    [(3, False), (2, True)],
+)
+def test_load_best_model_at_end_restores_the_best_checkpoint_shards(tmp_path, stage, save_only_model):
+    result = run_distributed(_best_model, 1, str(tmp_path), stage, save_only_model, timeout=300)[0]
+    assert (Path(result["best"]) / "engine").is_dir() != save_only_model
     best = TNLGForCausalLM.from_pretrained(result["best"]).state_dict()
     last = TNLGForCausalLM.from_pretrained(tmp_path / "checkpoint-4").state_dict()
     assert Path(result["best"]).name != "checkpoint-4"  # else the test could not tell restored from last
     assert not all(torch.equal(best[name], last[name]) for name in best)
     for name, tensor in best.items():
         torch.testing.assert_close(result["state"][name], tensor, rtol=0, atol=0, msg=name)
+
+
+def _save_only_model_refusals(rank: int, world_size: int, directory: str) -> dict:
+    from transformers import TrainingArguments
+
+    from tests.support.trainer_cases import dataset
+    from tests.support.zero_tnlg_cases import debug_model
+    from tnlg.sharding import ZeroConfig
+    from tnlg.trainer import ZeroTrainer
+
+    found = {}
+    args = TrainingArguments(
+        output_dir=directory, use_cpu=True, report_to=[], eval_strategy="steps", save_strategy="steps",
+        load_best_model_at_end=True, save_only_model=True,
+    )  # fmt: skip
+    try:  # stage 3 takes no full state dict into its module: refused when built, not after training
+        ZeroTrainer(model=debug_model(), args=args, eval_dataset=dataset(1), zero_config=ZeroConfig(stage=3))
+    except ValueError as error:
+        found["best at stage 3"] = str(error)
+    train(rank, world_size, 2, f"{directory}/weights", save_final=False, stop_after=2, save_only_model=True)
+    try:
+        train(
+            rank, world_size, 2, f"{directory}/weights", save_final=False, resume=True, save_only_model=True
+        )
+    except FileNotFoundError as error:
+        found["resume"] = str(error)
+    return found
+
+
+@pytest.mark.slow
+def test_what_save_only_model_checkpoints_cannot_do_is_refused_by_name(tmp_path):
+    found = run_distributed(_save_only_model_refusals, 1, str(tmp_path), timeout=300)[0]
+    assert (
+        "save_only_model=True with load_best_model_at_end=True under ZeRO stage 3" in found["best at stage 3"]
+    )
+    assert "checkpoint-2 has no engine/ engine checkpoint" in found["resume"]
+    assert "it was saved with save_only_model=True" in found["resume"]
+    assert "no optimizer or scheduler state" in found["resume"]
+
+
+def test_save_only_model_best_weights_under_tensor_slicing_are_refused():
+    from types import SimpleNamespace
+
+    from tnlg.sharding import ParallelDims
+    from tnlg.trainer import _refuse_best_weights_it_cannot_load
+
+    accelerator = SimpleNamespace(zero_config=SimpleNamespace(stage=2), parallel_dims=ParallelDims(tensor=2))
+    args = SimpleNamespace(save_only_model=True, load_best_model_at_end=True)
+    with pytest.raises(ValueError, match=r"under tensor slicing \(2 slices\): those checkpoints hold only"):
+        _refuse_best_weights_it_cannot_load(accelerator, args)
+    args.load_best_model_at_end = False  # the checkpoints alone are fine: from_pretrained loads them
+    _refuse_best_weights_it_cannot_load(accelerator, args)

@@ -135,3 +135,21 @@ def _clipped_training(rank: int, world_size: int, directory: str) -> float:
 def test_the_one_clipping_value_clips_the_trainers_step(tmp_path):
     update = run_distributed(_clipped_training, 1, str(tmp_path), timeout=300)[0]
     assert update == pytest.approx(0.01, rel=1e-3)  # SGD at lr 1: the clipped gradient
+
+
+def _precision(rank: int, world_size: int, directory: str) -> dict:
+    from tnlg.sharding import ZeroConfig
+
+    return {
+        "zero_config": _outcome(directory, ZeroConfig(stage=2, mixed_precision="bf16"), fp16=True),
+        "json": _outcome(directory, {**STAGE1, "bf16": {"enabled": True}}, fp16=True),
+    }
+
+
+def test_a_precision_conflict_names_what_the_user_set_on_each_side(tmp_path):
+    found = run_distributed(_precision, 1, str(tmp_path))[0]
+    assert found["zero_config"].startswith(
+        "TrainingArguments.fp16=True conflicts with ZeroConfig.mixed_precision='bf16', which enables bf16"
+    )
+    assert found["json"].startswith("TrainingArguments.fp16=True conflicts with bf16.enabled: true in ")
+    assert "which enables bf16" in found["json"]

@@ -61,7 +61,8 @@ def accelerate_loop(rank: int, world_size: int, stage: int | None, save_to: str 
     return result
 
 
-def _prepared(stage: int):
+def prepared(stage: int):
+    """A ZeroAccelerator with the debug model, AdamW, the loader and a scheduler prepared."""
     accelerator = ZeroAccelerator(
         zero_config=ZeroConfig(stage=stage), gradient_accumulation_steps=ACCUMULATION
     )
@@ -71,9 +72,11 @@ def _prepared(stage: int):
     return accelerator, *accelerator.prepare(model, optimizer, _loader(2), scheduler)
 
 
-def _train(accelerator, model, optimizer, loader, scheduler) -> list[float]:
+def train_loop(accelerator, model, optimizer, batches, scheduler, augment=None) -> list[float]:
+    """The documented loop's losses; `augment(batch)` changes each batch before the forward."""
     losses = []
-    for batch in loader:
+    for batch in batches:
+        batch = augment(batch) if augment is not None else batch
         with accelerator.accumulate(model):
             loss = model(**batch).loss
             accelerator.backward(loss)
@@ -87,15 +90,15 @@ def _train(accelerator, model, optimizer, loader, scheduler) -> list[float]:
 def save_and_load_state(rank: int, world_size: int, stage: int, directory: str) -> dict:
     """Uninterrupted losses, the losses after save_state halfway and load_state into fresh objects, the
     files save_state wrote, and what load_state says on each rank once rank 1's state file is gone."""
-    whole = _train(*_prepared(stage))
+    whole = train_loop(*prepared(stage))
     # Train the first half, save, then continue in fresh objects from the saved state.
-    accelerator, model, optimizer, loader, scheduler = _prepared(stage)
+    accelerator, model, optimizer, loader, scheduler = prepared(stage)
     half = len(loader) // 2
-    _train(accelerator, model, optimizer, itertools.islice(loader, half), scheduler)
+    train_loop(accelerator, model, optimizer, itertools.islice(loader, half), scheduler)
     accelerator.save_state(directory)
-    accelerator, model, optimizer, loader, scheduler = _prepared(stage)
+    accelerator, model, optimizer, loader, scheduler = prepared(stage)
     accelerator.load_state(directory)
-    rest = _train(accelerator, model, optimizer, accelerator.skip_first_batches(loader, half), scheduler)
+    rest = train_loop(accelerator, model, optimizer, accelerator.skip_first_batches(loader, half), scheduler)
     files = sorted(path.name for path in Path(directory).iterdir())
     accelerator.wait_for_everyone()
     if rank == 1:

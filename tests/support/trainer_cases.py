@@ -47,11 +47,13 @@ def train(
     bf16: bool = False,
     pretrained: str | None = None,
     compile_backend: str | None = None,
+    save_only_model: bool = False,
 ) -> dict:
     """Losses and gradient norms logged per step, and the final parameters; stage None is the plain
     `Trainer` (DDP). Checkpoints are written every 2 steps; `stop_after` interrupts the run there (the
     schedule still spans `max_steps`). `pretrained` starts from a saved model built on the meta device,
-    each rank reading only its shards of it. `compile_backend` turns on the Trainer's `torch_compile`."""
+    each rank reading only its shards of it. `compile_backend` turns on the Trainer's `torch_compile`;
+    `save_only_model` writes checkpoints of the weights alone."""
     args = TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=MICRO_BATCH,
@@ -74,6 +76,7 @@ def train(
         bf16=bf16,
         torch_compile=compile_backend is not None,
         torch_compile_backend=compile_backend,
+        save_only_model=save_only_model,
     )
     make = Trainer if stage is None else functools.partial(ZeroTrainer, zero_config=ZeroConfig(stage=stage))
     callbacks = [StopAfter(stop_after)] if stop_after else []
