@@ -16,6 +16,7 @@ from torch import nn
 
 from tnlg.eval.lambada import encode_passage, last_word_scores, split_last_word
 from tnlg.eval.perplexity import perplexity
+from tnlg.eval.tasks import predictions_for
 from tnlg.eval.text_metrics import normalize_answer, rouge_scores, squad_scores, token_f1
 
 
@@ -140,4 +141,15 @@ def test_rouge_matches_hand_computed_values():
     assert scores["rouge1"] == pytest.approx(100 * 5 / 6)
     assert scores["rouge2"] == pytest.approx(100 * 3 / 5)
     assert scores["rougeL"] == pytest.approx(100 * 5 / 6)
+    assert scores["rougeLsum"] == scores["rougeL"]  # one line: the same
     assert rouge_scores(["a b", "c"], ["a b", "d"])["rouge1"] == pytest.approx(50.0)
+
+
+def test_a_multi_line_reference_is_scored_against_the_whole_generation():
+    # the first line alone was scored against a whole multi-line reference: a perfect copy scored ~56
+    reference = "The cat sat.\nIt was on the mat.\nThen it left."
+    completions = [f" {reference}\n", " The cat sat.\nand then some rambling"]
+    assert predictions_for(completions, [[reference], [reference]]) == [reference, completions[1].strip()]
+    assert rouge_scores(predictions_for(completions[:1], [[reference]]), [reference])["rougeLsum"] == 100.0
+    # one-line references: the generation's first line, as before
+    assert predictions_for([" Return a file.\nimport os"], [["Return a file."]]) == ["Return a file."]

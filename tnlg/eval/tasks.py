@@ -4,8 +4,9 @@
   every rank's slice: the loss and perplexity of the references.
 - `task_scores`: generation from each validation prompt, then ROUGE-1/2/L (summarization) or SQuAD
   exact match and F1 (question answering) against the references. A generation is cut at its first
-  line break (the targets are one line; an untrained model rambles on), as the GPT-2 paper cut its
-  TL;DR summaries.
+  line break when every reference is one line (an untrained model rambles on), as the GPT-2 paper cut
+  its TL;DR summaries; when a reference spans lines (CNN/DailyMail's highlights) it is scored whole, to
+  its end of text or max_new_tokens, and rougeLsum reads it line by line (`predictions_for`).
 - `task_metrics`: both, as the fine-tuning run's final evaluation and scripts/evaluate.py report them,
   on the `evaluation_rows`: the first rows that make both an example and a prompt, so that the loss
   and the scores cover the same rows and `examples` counts them (a row can make one and not the
@@ -84,6 +85,14 @@ def first_line(text: str) -> str:
     return text.strip().split("\n", 1)[0].strip()
 
 
+def predictions_for(completions: list[str], references: list[list[str]]) -> list[str]:
+    """The generations as the metric reads them: each cut at its first line break when every reference
+    is one line (what follows is rambling); whole, stripped, when any reference spans lines, since a first
+    line would be scored against a whole multi-line reference (a copy of it scored about half)."""
+    one_line = all("\n" not in answer.strip() for answers in references for answer in answers)
+    return [first_line(text) if one_line else text.strip() for text in completions]
+
+
 @dataclass(frozen=True)
 class EvaluationRows:
     """The rows a task evaluation scores: each one's example (for the loss) and prompt (for generation),
@@ -139,8 +148,8 @@ def task_scores(
     model.eval()
     completions = generate_on_ranks(model, tokenizer, [p["input_ids"] for p in prompts], settings, batch_size)
     model.train(was_training)
-    predictions = [first_line(c) for c in completions]
     references = [p["references"] for p in prompts]
+    predictions = predictions_for(completions, references)
     if task.kind == "summarization":
         scores = rouge_scores(predictions, [r[0] for r in references])
     else:

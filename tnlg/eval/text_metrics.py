@@ -14,7 +14,9 @@ import string
 from collections import Counter
 from collections.abc import Sequence
 
-ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
+# rougeLsum: the LCS line by line (rouge-score splits at "\n"), the usual ROUGE-L for multi-line summaries
+# (CNN/DailyMail's highlights); on one-line texts it equals rougeL.
+ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = set(string.punctuation)
 
@@ -58,7 +60,7 @@ def squad_scores(predictions: Sequence[str], references: Sequence[Sequence[str]]
 
 
 def rouge_scores(predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
-    """Mean ROUGE-1/2/L F-measures in percent (`rouge-score`, Porter stemming)."""
+    """Mean ROUGE-1/2/L/Lsum F-measures in percent (`rouge-score`, Porter stemming)."""
     _check_pairs(predictions, references)
     try:
         from rouge_score import rouge_scorer
