@@ -267,11 +267,31 @@ def refuse_other_file_settings(target: Path | None, args: argparse.Namespace) ->
 
 
 def _window(args: argparse.Namespace) -> dict[str, int]:
-    max_length = args.max_length
-    if max_length is None:
-        check_model_config(Path(args.model), TNLGConfig.model_type)
-        max_length = TNLGConfig.from_pretrained(args.model).max_position_embeddings
+    max_length = args.max_length if args.max_length is not None else model_positions(args.model)
     return {"max_length": max_length, "stride": args.stride or max_length}
+
+
+def model_positions(model: str | Path) -> int:
+    """The model's positions (max_position_embeddings), from its config.json or its preset."""
+    if Path(model).is_dir():
+        check_model_config(Path(model), TNLGConfig.model_type)
+        return TNLGConfig.from_pretrained(model).max_position_embeddings
+    return TNLGConfig.from_preset(str(model)).max_position_embeddings
+
+
+def refuse_a_window_past_the_model(args: argparse.Namespace) -> None:
+    """--max-length beyond the model's positions, named before the model loads: it failed at the first
+    forward, naming the sequence, after the earlier files' evaluations had run for nothing."""
+    if args.max_length is None or (
+        Path(args.model).is_dir() and not (Path(args.model) / "config.json").exists()
+    ):
+        return  # a directory without its config: the load names that
+    positions = model_positions(args.model)
+    if args.max_length > positions:
+        raise ValueError(
+            f"--max-length {args.max_length} exceeds the model's {positions} positions (max_position_embeddings): "
+            f"give at most {positions}, or leave it out to use them all"
+        )
 
 
 def _settings_text(settings: dict[str, Any]) -> str:
@@ -414,6 +434,7 @@ def main(argv: list[str] | None = None) -> dict:
     target = results_path(args.model)  # a damaged earlier results file stops us before the evaluations
     refuse_replacing_other_files_results(target, result_sources(args))
     refuse_other_file_settings(target, args)
+    refuse_a_window_past_the_model(args)
     planned = planned_measurements(args, config, tasks)
     refuse_other_measurements(target, planned)
     inputs = read_inputs(args, config)

@@ -183,3 +183,19 @@ def test_a_result_names_its_file_resolved_so_another_directory_compares_the_file
     monkeypatch.chdir(tmp_path / "y")
     with pytest.raises(ValueError, match="a different file than"):
         main(["--model", str(tmp_path), "--perplexity", "text.txt"])
+
+
+@pytest.mark.parametrize("model", ["directory", "debug"])
+def test_a_window_past_the_models_positions_is_refused_before_it_loads(tmp_path, model):
+    # it failed at the first forward, naming a sequence length, after the files before it were scored
+    text = tmp_path / "notes.txt"
+    text.write_text("some text to score")
+    if model == "directory":
+        TNLGConfig.from_preset("debug", max_position_embeddings=64).save_pretrained(tmp_path)
+        model, positions = str(tmp_path), 64
+    else:
+        positions = TNLGConfig.from_preset("debug").max_position_embeddings
+    with pytest.raises(
+        ValueError, match=rf"--max-length {positions + 1} exceeds the model's {positions} positions"
+    ):
+        main(["--model", model, "--perplexity", str(text), "--max-length", str(positions + 1)])
