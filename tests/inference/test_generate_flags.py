@@ -8,7 +8,7 @@ import json
 import pytest
 from transformers import GenerationConfig
 
-from scripts.generate import parse_args
+from scripts.generate import main, parse_args
 from tnlg.data.tokenizer import byte_level_tokenizer
 from tnlg.inference.generation import generate_texts
 from tnlg.inference.settings import GenerationSettings
@@ -122,3 +122,23 @@ def test_a_model_directory_whose_config_is_not_tnlgs_is_named(tmp_path, content,
     (tmp_path / "config.json").write_text(content)
     with pytest.raises(ValueError, match=rf"config.json {problem}"):
         load_model_and_tokenizer(tmp_path, tokenizer="byte-level")
+
+
+@pytest.mark.parametrize(
+    ("prompts", "new_tokens", "named"),
+    [
+        ([""], 3, "prompt 0 ('') has no tokens"),
+        (["ab", ""], 3, "prompt 1 ('') has no tokens"),  # in a batch it was continued as '' silently
+        (["x" * 125], 8, "prompt 0 has 125 tokens: with max_new_tokens 8 that is 133 positions, past the model's 128"),
+    ],
+)  # fmt: skip
+def test_a_prompt_that_cannot_be_continued_is_refused_before_generating(prompts, new_tokens, named, capsys):
+    # an empty prompt failed deep inside generate() with an IndexError; an over-long one after the
+    # whole batch was generated, naming a sequence length and no flag
+    arguments = ["--model", "debug", "--max-new-tokens", str(new_tokens)]
+    with pytest.raises(SystemExit) as exited:
+        exit_on_input_error(main)(
+            [*arguments, *(flag for prompt in prompts for flag in ("--prompt", prompt))]
+        )
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err

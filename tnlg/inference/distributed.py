@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerBase
 from tnlg.data.tokenizer import pad_id
 from tnlg.inference.generation import (
     Prompt,
+    check_prompts,
     check_vocabulary,
     generate_batch,
     generate_texts,
@@ -168,6 +169,7 @@ def generate_on_ranks(
     # By data-parallel rank: the ranks of one tensor-sliced replica generate the same prompts together
     # (see [Note: evaluation by data rank] in tnlg.inference.ranks).
     share = work_share(model)
+    check_prompts(module, tokenizer, prompts, settings)  # every rank holds every prompt: all refuse alike
     check_replica_agrees(share, tokenizer, prompts, settings, batch_size)
     with replica_rng(share.replica, model_device(module)):
         if share.count == 1:

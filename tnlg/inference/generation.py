@@ -79,11 +79,35 @@ def generate_texts(
     left padding. `settings` defaults to greedy decoding (`GenerationSettings()`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1 (prompts per generate call), got {batch_size}")
-    config = generation_config(settings or GenerationSettings(), tokenizer, model)
+    settings = settings or GenerationSettings()
+    check_prompts(model, tokenizer, prompts, settings)
+    config = generation_config(settings, tokenizer, model)
     completions: list[str] = []
     for start in range(0, len(prompts), batch_size):
         completions.extend(generate_batch(model, tokenizer, prompts[start : start + batch_size], config))
     return completions
+
+
+def check_prompts(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Prompt],
+    settings: GenerationSettings,
+) -> None:
+    """ValueError naming the first prompt that cannot be continued, before anything is generated: one of
+    no tokens (generate() failed deep inside, or in a batch gave '' silently), or one whose tokens and
+    `max_new_tokens` pass the model's positions (it failed after the batch was generated, naming neither)."""
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    for index, prompt in enumerate(prompts):
+        length = len(tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else len(prompt)
+        if length == 0:
+            raise ValueError(f"prompt {index} ({prompt!r}) has no tokens: there is nothing to continue")
+        if positions is not None and length + settings.max_new_tokens > positions:
+            raise ValueError(
+                f"prompt {index} has {length} tokens: with max_new_tokens {settings.max_new_tokens} that is "
+                f"{length + settings.max_new_tokens} positions, past the model's {positions} "
+                "(max_position_embeddings): shorten the prompt or lower max_new_tokens"
+            )
 
 
 def generation_config(
