@@ -92,6 +92,13 @@ def main(argv: list[str] | None = None) -> None:
         texts = itertools.islice(texts, args.max_documents)
     used = [0]
     tokenizer = train_byte_level_bpe(counted(texts, used), args.vocab_size)
+    if len(tokenizer) < args.vocab_size:
+        # BPE stops when no pair is frequent enough to merge: a model sized to --vocab-size would carry
+        # embedding rows no token reaches, so nothing is saved and the user chooses.
+        raise ValueError(
+            f"--vocab-size {args.vocab_size}: the {used[0]} documents support only {len(tokenizer)} tokens "
+            f"(no pair left that occurs twice); give more text, or ask for --vocab-size {len(tokenizer)}"
+        )
     tokenizer.save_pretrained(args.output)
     logger.info(
         "trained a %d-token byte-level BPE on %d documents; saved to %s", len(tokenizer), used[0], args.output

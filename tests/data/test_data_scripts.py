@@ -92,3 +92,18 @@ def test_train_tokenizer_applies_max_documents_and_reports_the_texts_used(tmp_pa
         train(train_args(corpus, tmp_path / "all"))
     reports = [r.getMessage() for r in caplog.records if r.name == "train_tokenizer"]
     assert "on 3 documents" in reports[0] and "on 6 documents" in reports[1]
+
+
+def test_train_tokenizer_refuses_a_vocabulary_the_corpus_cannot_reach(tmp_path):
+    # it saved a much smaller tokenizer and exited 0: a model sized to --vocab-size would carry rows
+    # no token reaches
+    corpus, output = write_corpus(tmp_path / "corpus.jsonl", documents=3), tmp_path / "tok"
+    asking = ["--input", str(corpus), "--output", str(output), "--vocab-size"]
+    with pytest.raises(
+        ValueError, match=r"--vocab-size 4096: the 3 documents support only \d+ tokens"
+    ) as error:
+        train([*asking, "4096"])
+    assert not output.exists() or not any(output.iterdir())
+    reached = int(str(error.value).split("support only ")[1].split()[0])
+    train([*asking, str(reached)])  # the size it names is taken
+    assert len(byte_level_tokenizer()) < reached
