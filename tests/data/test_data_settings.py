@@ -180,6 +180,15 @@ def test_a_json_array_file_is_read_as_records_beside_json_lines(tmp_path):
 
 
 # ---------------------------------------------------------------- what reading skipped reaches the user
+def test_one_epochs_texts_count_that_epochs_bad_records_once(tmp_path):
+    # first_epoch_texts read on into the next epoch to see it had begun: a bad record leading it was
+    # counted (and logged) a second time, so prepare_data and train_tokenizer reported too many skipped
+    (tmp_path / "a.jsonl").write_text('{"nottext": 1}\n' + json.dumps({"text": "kept"}) + "\n")
+    reader = DocumentReader(SourceConfig(name="a", paths=(str(tmp_path / "a.jsonl"),)))
+    assert list(reader.first_epoch_texts()) == ["kept"]
+    assert dict(reader.stats.skipped) == {"no 'text' field": 1}
+
+
 def test_a_source_logs_each_new_epoch_once_with_its_bad_record_totals(tmp_path, caplog):
     path = tmp_path / "a.jsonl"
     path.write_text('{"text": "good"}\nnot json\n{"text": ""}\n{"text": "also good"}\n')

@@ -226,36 +226,40 @@ class DocumentReader:
         return order
 
     def first_epoch_texts(self) -> Iterator[str]:
-        """The texts of the current epoch only (for one-pass jobs: tokenizer training, pre-tokenizing)."""
-        epoch = self.epoch
-        for document in self:
-            if self.epoch != epoch:  # the reader has moved on: that document belongs to the next epoch
-                return
+        """The texts of the current epoch only (for one-pass jobs: tokenizer training, pre-tokenizing).
+        It stops at the epoch's end: reading on to find that a next one had begun counted the next
+        epoch's bad records before its first document into the statistics (and logged them again)."""
+        for document in self._rest_of_epoch():
             yield document.text
 
     def __iter__(self) -> Iterator[Document]:
         while True:
-            whole_epoch = self.file_index == 0 and self.record == 0
-            produced = False
-            order = self.file_order(self.epoch)
-            while self.file_index < len(order):
-                path = order[self.file_index]
-                for document in self._read_file(path):
-                    produced = True
-                    yield document
-                self.file_index += 1
-                self.record = 0
-            if whole_epoch and not produced:
-                # Endless reading would otherwise spin over an epoch that can never give a document.
-                raise EmptyEpochError(
-                    f"source {self.source.name!r} ({_some(order)}) gives rank {self.rank} of "
-                    f"{self.world_size} no document in a whole epoch ({self.seen} records, skipped: "
-                    f"{dict(self.stats.skipped)}, other Pile subsets: {self.stats.filtered})"
-                )
-            self._log_epoch_end()
-            self.epoch += 1
-            self.file_index = 0
-            self.seen = 0
+            yield from self._rest_of_epoch()
+
+    def _rest_of_epoch(self) -> Iterator[Document]:
+        """The documents from the current position to the end of the epoch; the position then moves on
+        to the next epoch's start (an epoch read whole that gave no document is an EmptyEpochError)."""
+        whole_epoch = self.file_index == 0 and self.record == 0
+        produced = False
+        order = self.file_order(self.epoch)
+        while self.file_index < len(order):
+            path = order[self.file_index]
+            for document in self._read_file(path):
+                produced = True
+                yield document
+            self.file_index += 1
+            self.record = 0
+        if whole_epoch and not produced:
+            # Endless reading would otherwise spin over an epoch that can never give a document.
+            raise EmptyEpochError(
+                f"source {self.source.name!r} ({_some(order)}) gives rank {self.rank} of "
+                f"{self.world_size} no document in a whole epoch ({self.seen} records, skipped: "
+                f"{dict(self.stats.skipped)}, other Pile subsets: {self.stats.filtered})"
+            )
+        self._log_epoch_end()
+        self.epoch += 1
+        self.file_index = 0
+        self.seen = 0
 
     def _log_epoch_end(self) -> None:
         # Only the first bad records are logged one by one: the totals reach the user here. At info the
