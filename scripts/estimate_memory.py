@@ -156,6 +156,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, default in RUN_DECIDES.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
+    # Named by their flags here: the layout's and the plan's own checks name their fields instead.
+    if not args.config and args.virtual_stages > 1 and args.pipeline_parallel < 2:
+        parser.error(f"--virtual-stages {args.virtual_stages} needs --pipeline-parallel 2 or more")
+    if not args.config and args.offload_activations and args.no_activation_checkpointing:
+        parser.error(
+            "--offload-activations offloads the checkpointed block inputs: drop --no-activation-checkpointing"
+        )
     return args
 
 

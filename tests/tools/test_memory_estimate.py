@@ -265,6 +265,22 @@ def test_script_prints_both_presets(capsys):
     assert out.count("stage  ranks") == 2
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--virtual-stages", "2"], "--virtual-stages 2 needs --pipeline-parallel 2 or more"),
+        (["--offload-activations", "--no-activation-checkpointing"], "drop --no-activation-checkpointing"),
+    ],
+)
+def test_script_names_flags_that_cannot_go_together(capsys, flags, named):
+    # the errors named ParallelDims.virtual_stages and offload_activations, fields the user never typed
+    from scripts.estimate_memory import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(flags)
+    assert exited.value.code == 2 and named in capsys.readouterr().err
+
+
 def test_script_prints_smallest_world_sizes(capsys):
     from scripts.estimate_memory import main
 
