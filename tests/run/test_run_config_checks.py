@@ -81,6 +81,14 @@ def test_fine_tuning_mistakes_are_refused_when_read(overrides, message):
         (["--data.on_bad_record", "ignore"], "data.on_bad_record must be one of"),
         (["--data.sources", "[{name: s, paths: [a.jsonl], split: test}]"], "split 'test' names a split"),
         (["--data.sources", "[{name: s, paths: [a.jsonl], dataset_config: en}]"], "dataset_config 'en'"),
+        (  # refused only once the stream was built, after the engine
+            ["--data.sources", "[{name: s, paths: [a.jsonl]}, {name: s, paths: [b.jsonl]}]"],
+            "data.sources names must be unique (named more than once: ['s'])",
+        ),
+        (
+            ["--data.validation_sources", "[{name: v, paths: [a.jsonl]}, {name: v, paths: [b.jsonl]}]"],
+            "data.validation_sources names must be unique",
+        ),
         (["--optimizer.lr", "inf"], "optimizer.lr must be >= 0 and finite"),
         (["--optimizer.lr", "nan"], "optimizer.lr must be >= 0 and finite"),
         (["--optimizer.lr", "-1e-3"], "optimizer.lr must be >= 0 and finite"),

@@ -196,6 +196,14 @@ class DataSection:
         require("data.seq_len", self.seq_len, self.seq_len >= 1, ">= 1")
         require("data.shuffle_buffer", self.shuffle_buffer, self.shuffle_buffer >= 1, ">= 1")
         choose("data.on_bad_record", self.on_bad_record, BAD_RECORD_POLICIES)
+        for name, sources in (
+            ("data.sources", self.sources),
+            ("data.validation_sources", self.validation_sources),
+        ):
+            # a data position is saved per source name: checked here, not once the engine is built
+            names = [source.name for source in sources]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            require(f"{name} names", names, not twice, f"unique (named more than once: {twice})")
         if self.pretokenized:
             self._check_pretokenized_alone()
 
