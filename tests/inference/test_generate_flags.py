@@ -12,6 +12,7 @@ from scripts.generate import main, parse_args
 from tnlg.data.tokenizer import byte_level_tokenizer
 from tnlg.inference.generation import generate_texts
 from tnlg.inference.settings import GenerationSettings
+from tnlg.modeling import TNLGConfig, TNLGForCausalLM
 from tnlg.run.cli import exit_on_input_error
 from tnlg.run.finetune_config import check_generation
 
@@ -129,7 +130,7 @@ def test_a_model_directory_whose_config_is_not_tnlgs_is_named(tmp_path, content,
     [
         ([""], 3, "prompt 0 ('') has no tokens"),
         (["ab", ""], 3, "prompt 1 ('') has no tokens"),  # in a batch it was continued as '' silently
-        (["x" * 125], 8, "prompt 0 has 125 tokens: with max_new_tokens 8 that is 133 positions, past the model's 128"),
+        (["x" * 125], 5, "prompt 0 has 125 tokens: generating max_new_tokens 5 more needs 129 positions, past the model's 128"),
     ],
 )  # fmt: skip
 def test_a_prompt_that_cannot_be_continued_is_refused_before_generating(prompts, new_tokens, named, capsys):
@@ -142,3 +143,12 @@ def test_a_prompt_that_cannot_be_continued_is_refused_before_generating(prompts,
         )
     assert exited.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_a_prompt_that_fills_the_positions_with_its_new_tokens_generates():
+    # the last new token is never fed back: 124 + 5 tokens need 128 positions, not 129
+    model = TNLGForCausalLM(TNLGConfig.from_preset("debug")).eval()
+    (completion,) = generate_texts(
+        model, byte_level_tokenizer(), ["x" * 124], GenerationSettings(max_new_tokens=5)
+    )
+    assert isinstance(completion, str)

@@ -169,8 +169,9 @@ def generate_on_ranks(
     # By data-parallel rank: the ranks of one tensor-sliced replica generate the same prompts together
     # (see [Note: evaluation by data rank] in tnlg.inference.ranks).
     share = work_share(model)
-    check_prompts(module, tokenizer, prompts, settings)  # every rank holds every prompt: all refuse alike
     check_replica_agrees(share, tokenizer, prompts, settings, batch_size)
+    # After the replica agrees (collective): every rank then holds the same prompts, so all refuse alike.
+    check_prompts(module, tokenizer, prompts, settings)
     with replica_rng(share.replica, model_device(module)):
         if share.count == 1:
             return generate_texts(module, tokenizer, prompts, settings, batch_size)

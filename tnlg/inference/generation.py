@@ -102,11 +102,12 @@ def check_prompts(
         length = len(tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else len(prompt)
         if length == 0:
             raise ValueError(f"prompt {index} ({prompt!r}) has no tokens: there is nothing to continue")
-        if positions is not None and length + settings.max_new_tokens > positions:
+        needed = length + settings.max_new_tokens - 1  # the last new token is never fed back
+        if positions is not None and needed > positions:
             raise ValueError(
-                f"prompt {index} has {length} tokens: with max_new_tokens {settings.max_new_tokens} that is "
-                f"{length + settings.max_new_tokens} positions, past the model's {positions} "
-                "(max_position_embeddings): shorten the prompt or lower max_new_tokens"
+                f"prompt {index} has {length} tokens: generating max_new_tokens {settings.max_new_tokens} more "
+                f"needs {needed} positions, past the model's {positions} (max_position_embeddings): shorten "
+                "the prompt or lower max_new_tokens"
             )
 
 
