@@ -254,8 +254,10 @@ def refuse_other_file_settings(target: Path | None, args: argparse.Namespace) ->
     if not measured:
         return
     text_field = {"text_field": args.text_field or "text"}
+    # the window once (it may read the model's config.json), and only when a perplexity is compared
+    window = _window(args) if any(name.startswith("perplexity:") for name in measured) else {}
     for name, entry in measured.items():
-        settings = _window(args) | text_field if name.startswith("perplexity:") else text_field
+        settings = window | text_field if name.startswith("perplexity:") else text_field
         before = {key: entry[key] for key in settings if key in entry}
         now = {key: settings[key] for key in before}
         if before != now:
