@@ -10,11 +10,15 @@ tnlg.sharding.checkpoint) and, beside it, what the engine does not save:
                           its schedulers the same way)
     DIR/custom-i.json     (save_state) the i-th object registered with `register_for_checkpointing`:
                           its state_dict as JSON, each tensor in it replaced by {"__tensor__": key}
-                          naming its entry in DIR/custom-i.safetensors (absent when it holds none)
+                          naming its entry in DIR/custom-i.safetensors (absent when it holds none),
+                          tuples and non-string keys marked (tnlg.state_encoding)
+    DIR/dataloader-i-rank-0000r.json   (save_state) rank r's state_dict of the i-th prepared data loader,
+                          when it is stateful (Accelerate's `use_stateful_dataloader`), encoded alike
+                          (and its .safetensors)
 
 (ZeroTrainer writes only the scheduler: the Trainer saves its own RNG states.) JSON and safetensors,
-no pickles. The main process's files are encoded in memory first (`scheduler_state_files`,
-`custom_state_files`; a state_dict they cannot hold is a `CheckpointError` before anything is written)
+no pickles. The files are encoded in memory first (`scheduler_state_files`, `custom_state_files`,
+`dataloader_state_files`; a state_dict they cannot hold is a `CheckpointError` before anything is written)
 and written through staging names (`write_state_files`), so no file is left half-written under its
 own name. Every read error is a `CheckpointError` naming the file.
 """
@@ -31,12 +35,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-from safetensors.torch import save as safetensors_bytes
 
 from tnlg.sharding.checkpoint import CheckpointError
 from tnlg.sharding.json_files import read_json, write_json_atomic
+from tnlg.state_encoding import decoded_state, encoded_state
 
 logger = logging.getLogger(__name__)
 
@@ -201,75 +203,88 @@ def _existing_scheduler_file(directory: Path, index: int) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- custom objects
-TENSOR_KEY = "__tensor__"  # where a tensor was in a custom object's JSON: {"__tensor__": its safetensors key}
-
-
 def custom_files(index: int) -> tuple[str, str]:
     """The JSON and safetensors file names of the `index`-th registered object."""
     return f"custom-{index}.json", f"custom-{index}.safetensors"
 
 
 def custom_state_files(objects: Sequence[Stateful]) -> dict[str, bytes]:
-    """The state_dict of each object registered with `register_for_checkpointing`, encoded: its
-    tensors (an EMA module's weights, say) in safetensors, the rest in JSON. A value neither holds is a
-    `CheckpointError` naming the object, raised before anything is written."""
+    """The state_dict of each object registered with `register_for_checkpointing`, encoded by
+    tnlg.state_encoding: its tensors (an EMA module's weights, say) in safetensors, the rest in JSON,
+    tuples and integer keys kept (a registered optimizer's state is keyed by parameter index). A value
+    neither holds is a `CheckpointError` naming the object, raised before anything is written."""
     files: dict[str, bytes] = {}
     for index, obj in enumerate(objects):
         what = f"the state_dict of the object registered for checkpointing #{index} ({type(obj).__name__})"
-        tensors: dict[str, torch.Tensor] = {}
-        structure = _tensors_taken_out(obj.state_dict(), tensors)
-        json_name, tensor_name = custom_files(index)
-        files[json_name] = _json_bytes(structure, what)
-        if tensors:
-            try:
-                files[tensor_name] = safetensors_bytes(tensors)
-            except (TypeError, ValueError, SafetensorError) as error:  # a sparse tensor, say
-                raise CheckpointError(f"{what} cannot be saved as safetensors: {error}") from error
+        files.update(_encoded_files(custom_files(index), obj.state_dict(), what))
     return files
 
 
 def read_custom_states(directory: Path, count: int) -> list[Any]:
     """The state_dicts `custom_state_files` encoded for the first `count` objects (a directory written
     before tensors were kept apart holds the JSON alone, and reads the same)."""
-    states = []
-    for index in range(count):
-        json_name, tensor_name = custom_files(index)
-        tensors: dict[str, torch.Tensor] = {}
-        if (directory / tensor_name).exists():
-            try:
-                tensors = load_file(directory / tensor_name)
-            except (OSError, SafetensorError) as error:
-                raise CheckpointError(f"{directory / tensor_name} cannot be read: {error}") from error
-        states.append(
-            _tensors_put_back(read_checkpoint_json(directory / json_name), tensors, directory / json_name)
-        )
-    return states
+    return [_decoded_files(directory, custom_files(index)) for index in range(count)]
 
 
-def _tensors_taken_out(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """`value` with each tensor moved into `tensors` (a CPU copy of its own: safetensors refuses shared
-    storage) and a `TENSOR_KEY` reference left in its place."""
-    if isinstance(value, torch.Tensor):
-        key = str(len(tensors))
-        tensors[key] = value.detach().to("cpu", copy=True).contiguous()
-        return {TENSOR_KEY: key}
-    if isinstance(value, Mapping):
-        return {key: _tensors_taken_out(item, tensors) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_tensors_taken_out(item, tensors) for item in value]
-    return value
+# ---------------------------------------------------------------------------------------------- data loaders
+def dataloader_files(index: int, rank: int) -> tuple[str, str]:
+    """The JSON and safetensors file names of rank `rank`'s state of the `index`-th prepared data loader."""
+    stem = f"dataloader-{index}-rank-{rank:05d}"
+    return f"{stem}.json", f"{stem}.safetensors"
 
 
-def _tensors_put_back(value: Any, tensors: Mapping[str, torch.Tensor], path: Path) -> Any:
-    if isinstance(value, dict) and value.keys() == {TENSOR_KEY}:
-        key = value[TENSOR_KEY]
-        if key not in tensors:
-            raise CheckpointError(
-                f"{path} refers to tensor {key!r}, which its .safetensors file does not hold"
+def dataloader_state_files(loaders: Mapping[int, Stateful], rank: int) -> dict[str, bytes]:
+    """This rank's state_dict of each stateful data loader ({its index among the prepared loaders:
+    loader}), encoded as the registered objects' are. Per rank: a loader over an iterable dataset
+    holds each rank's own position (Accelerate writes one file that every rank overwrites)."""
+    files: dict[str, bytes] = {}
+    for index, loader in loaders.items():
+        what = f"the state_dict of prepared data loader #{index} on rank {rank}"
+        files.update(_encoded_files(dataloader_files(index, rank), loader.state_dict(), what))
+    return files
+
+
+def read_dataloader_states(directory: Path, indices: Sequence[int], rank: int) -> dict[int, Any]:
+    """What `dataloader_state_files` wrote for the loaders at `indices`; a loader with no file (saved
+    before it was stateful, or before tnlg saved loaders) is left out of the answer."""
+    return {
+        index: _decoded_files(directory, dataloader_files(index, rank))
+        for index in indices
+        if (directory / dataloader_files(index, rank)[0]).exists()
+    }
+
+
+def stateful_dataloaders(prepared: Sequence[Any]) -> dict[int, Any]:
+    """{index among the `prepared` loaders: loader} of those Accelerate made stateful (torchdata's
+    StatefulDataLoader underneath, `use_stateful_dataloader`), whose positions save_state keeps."""
+    return {
+        index: loader
+        for index, loader in enumerate(prepared)
+        if getattr(loader, "use_stateful_dataloader", False)
+    }
+
+
+def restore_dataloaders(loaders: Mapping[int, Any], states: Mapping[int, Any], directory: Path) -> None:
+    """Each of `loaders` back at its position in `states` (`read_dataloader_states`); one without a
+    saved state is said to start from its beginning, not passed over."""
+    for index, loader in loaders.items():
+        if index in states:
+            loader.load_state_dict(states[index])
+        else:
+            logger.warning(
+                "%s holds no state of prepared data loader #%d (saved before it was stateful, or by an "
+                "older tnlg): the loader starts from its beginning",
+                directory,
+                index,
             )
-        return tensors[key]
-    if isinstance(value, dict):
-        return {key: _tensors_put_back(item, tensors, path) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_tensors_put_back(item, tensors, path) for item in value]
-    return value
+
+
+def _encoded_files(names: tuple[str, str], state: Any, what: str) -> dict[str, bytes]:
+    json_name, tensor_name = names
+    text, tensors = encoded_state(state, what)
+    return {json_name: text} if tensors is None else {json_name: text, tensor_name: tensors}
+
+
+def _decoded_files(directory: Path, names: tuple[str, str]) -> Any:
+    json_name, tensor_name = names
+    return decoded_state(directory / json_name, directory / tensor_name)

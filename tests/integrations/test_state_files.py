@@ -93,6 +93,38 @@ def test_a_state_dict_neither_format_holds_is_named_before_anything_is_written(t
         read_custom_states(tmp_path, 1)
 
 
+def test_a_registered_optimizer_keeps_its_moments_under_their_integer_keys(tmp_path):
+    # JSON alone turned the parameter indices of `state` into "0", "1": the optimizer loaded its moments
+    # under keys it never reads again and restarted Adam without a word.
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, betas=(0.8, 0.9))
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    write_state_files(tmp_path, custom_state_files([optimizer]))
+    (state,) = read_custom_states(tmp_path, 1)
+    assert sorted(state["state"]) == [0, 1] and state["param_groups"][0]["betas"] == (0.8, 0.9)
+    fresh = torch.optim.Adam(model.parameters(), lr=0.1)
+    fresh.load_state_dict(state)
+    for parameter in model.parameters():
+        torch.testing.assert_close(
+            fresh.state[parameter]["exp_avg"], optimizer.state[parameter]["exp_avg"], rtol=0, atol=0
+        )
+
+
+def test_tuples_and_keys_json_cannot_hold_read_back_as_they_were(tmp_path):
+    state = {"pair": (1, (2.5, None)), "by_index": {0: "a", 2.5: "b", (1, 2): [torch.ones(2)], None: True}}
+    write_state_files(tmp_path, custom_state_files([HasState(state)]))
+    (read,) = read_custom_states(tmp_path, 1)
+    assert read["pair"] == (1, (2.5, None))
+    assert list(read["by_index"]) == [0, 2.5, (1, 2), None]
+    torch.testing.assert_close(read["by_index"][(1, 2)][0], torch.ones(2), rtol=0, atol=0)
+    # A dict that would read back as a marker is refused, not turned into a tensor or a tuple.
+    with pytest.raises(CheckpointError, match="whose only key is '__tuple__'"):
+        custom_state_files([HasState({"odd": {"__tuple__": [1]}})])
+    with pytest.raises(CheckpointError, match="dict key"):
+        custom_state_files([HasState({frozenset([1]): 0})])
+
+
 def test_a_save_state_directory_of_the_earlier_layout_is_read(tmp_path):
     (tmp_path / "rng-rank-00001.json").write_text(json.dumps(rng_state()))
     (tmp_path / "scheduler-0.json").write_text(json.dumps({"last_epoch": 4}))
