@@ -59,6 +59,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import TorchDynamoPlugin, recursively_apply
 from torch import nn
 
+from tnlg.checkpoint_naming import checkpoints_root, newest_checkpoint, next_checkpoint, remove_beyond_limit
 from tnlg.launch_settings import (
     accelerate_parallelism_hidden,
     accumulation_taken_over,
@@ -80,12 +81,16 @@ from tnlg.sharding.deepspeed import engine_settings
 from tnlg.sharding.parallel import build_groups
 from tnlg.state_files import (
     custom_state_files,
+    dataloader_state_files,
     rank_state_file,
     read_custom_states,
+    read_dataloader_states,
     read_rank_state,
     read_scheduler_states,
+    restore_dataloaders,
     restore_rng,
     scheduler_state_files,
+    stateful_dataloaders,
     write_rank_state,
     write_state_files,
 )
@@ -449,24 +454,52 @@ class ZeroAccelerator(Accelerator):
     def save_state(
         self, output_dir: str | Path | None = None, safe_serialization: bool = True, **kwargs: Any
     ):
-        """Every rank writes its engine shard and its rank state (RNG states, `accelerator.step`); the main
-        process the schedulers and the objects registered with `register_for_checkpointing` (tensors in
-        safetensors, the rest JSON: no pickles). The layout of a run checkpoint (see tnlg.state_files).
-        `register_save_state_pre_hook` hooks run first, given the prepared models and, as under Accelerate's
-        DeepSpeed, no weights: the engine writes its own shards."""
+        """Every rank writes its engine shard, its rank state (RNG states, `accelerator.step`) and its
+        state of each stateful data loader (`use_stateful_dataloader`); the main process the schedulers
+        and the objects registered with `register_for_checkpointing` (tensors in safetensors, the rest
+        JSON: no pickles). The layout of a run checkpoint (see tnlg.state_files). Without `output_dir`,
+        Accelerate's automatic checkpoint naming places it (see tnlg.checkpoint_naming).
+        `register_save_state_pre_hook` hooks run first, given the prepared models and, as under
+        Accelerate's DeepSpeed, no weights: the engine writes its own shards."""
         if not self.engines:
             return super().save_state(output_dir, safe_serialization, **kwargs)
-        if output_dir is None:
-            raise ValueError("ZeroAccelerator.save_state needs an output_dir")
-        directory = Path(output_dir)
+        naming = self.project_configuration.automatic_checkpoint_naming
+        if naming and output_dir is not None:
+            raise ValueError(
+                f"save_state({str(output_dir)!r}) with automatic_checkpoint_naming on: the checkpoint goes to "
+                "project_dir/checkpoints/checkpoint_<iteration>; call save_state() without a directory, or "
+                "turn automatic_checkpoint_naming off to name it"
+            )
+        if not naming and output_dir is None:
+            raise ValueError(
+                "ZeroAccelerator.save_state needs an output_dir (or automatic_checkpoint_naming)"
+            )
+        root = checkpoints_root(self.project_dir) if naming else None
+        # Every rank agrees on the folder before any creates it: one seeing another's new folder as an
+        # existing checkpoint would refuse alone and leave the others waiting.
+        directory = (
+            self._on_every_rank(lambda: next_checkpoint(root, self.save_iteration))
+            if naming
+            else Path(output_dir)
+        )
+        self._save_engine_state(directory)
+        if naming and self.is_main_process:
+            remove_beyond_limit(root, self.project_configuration.total_limit, directory)
+        self.project_configuration.iteration += 1  # as Accelerate counts its saves, named or not
+        return str(directory)
+
+    def _save_engine_state(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
 
         def prepare() -> dict[str, bytes]:
             for hook in self._save_model_state_pre_hook.values():
                 hook(self._models, [], str(directory))
-            if not self.is_main_process:
-                return {}
-            return {**scheduler_state_files(self._schedulers), **custom_state_files(self._custom_objects)}
+            files = dataloader_state_files(stateful_dataloaders(self._dataloaders), self.process_index)
+            if self.is_main_process:
+                files.update(
+                    {**scheduler_state_files(self._schedulers), **custom_state_files(self._custom_objects)}
+                )
+            return files
 
         # Everything that can fail on one process alone (a hook, a state_dict that JSON and safetensors
         # cannot hold) fails on every process before the engine writes a byte; the writes after it agree too.
@@ -478,35 +511,61 @@ class ZeroAccelerator(Accelerator):
             write_state_files(directory, files)
 
         self._on_every_rank(write)
-        return str(directory)
 
     def load_state(self, input_dir: str | Path | None = None, **kwargs: Any) -> None:
         """What `save_state` wrote, restored: the engine's shards, the schedulers, the registered objects,
-        this rank's RNG states and `accelerator.step`. `register_load_state_pre_hook` hooks run first,
-        given (as under Accelerate's DeepSpeed) no models to load: the engine loads its own shards."""
+        this rank's RNG states, `accelerator.step` and its stateful data loaders' positions. Without
+        `input_dir`, automatic checkpoint naming's newest checkpoint, after which the iteration continues
+        (see tnlg.checkpoint_naming). `register_load_state_pre_hook` hooks run first, given (as under
+        Accelerate's DeepSpeed) no models to load: the engine loads its own shards."""
         if not self.engines:
             return super().load_state(input_dir, **kwargs)
-        if input_dir is None:
-            raise ValueError("ZeroAccelerator.load_state needs an input_dir")
-        directory = Path(input_dir)
+        if input_dir is not None:
+            directory, iteration = Path(input_dir), None
+        elif self.project_configuration.automatic_checkpoint_naming:
+            iteration, directory = self._newest_checkpoint_everywhere(checkpoints_root(self.project_dir))
+        else:
+            raise ValueError("ZeroAccelerator.load_state needs an input_dir (or automatic_checkpoint_naming)")
+        loaders = stateful_dataloaders(self._dataloaders)
 
-        def read_states() -> tuple[list[dict], list[Any], dict[str, Any]]:
+        def read_states() -> tuple[list[dict], list[Any], dict[str, Any], dict[int, Any]]:
             for hook in self._load_model_state_pre_hook.values():
                 hook([], str(directory))
             schedulers = read_scheduler_states(directory, len(self._schedulers))
             customs = read_custom_states(directory, len(self._custom_objects))
-            return schedulers, customs, read_rank_state(directory, self.process_index)
+            own = read_rank_state(directory, self.process_index)
+            return (
+                schedulers,
+                customs,
+                own,
+                read_dataloader_states(directory, list(loaders), self.process_index),
+            )
 
         # As a run checkpoint's resume: every file is read, and every rank agrees it could be, before
         # anything is restored (no rank left waiting in the engine's load for one that failed).
-        schedulers, customs, own = self._on_every_rank(read_states)
+        schedulers, customs, own, loader_states = self._on_every_rank(read_states)
         self.engines[0].load_checkpoint(engine_directory(directory))
         for scheduler, state in zip(self._schedulers, schedulers, strict=True):
             scheduler.load_state_dict(state)
         for obj, state in zip(self._custom_objects, customs, strict=True):
             obj.load_state_dict(state)
+        restore_dataloaders(loaders, loader_states, directory)
         restore_rng(own["rng"])
         self._restore_step(own, rank_state_file(directory, self.process_index))
+        if iteration is not None:
+            self.project_configuration.iteration = iteration + 1
+
+    def _newest_checkpoint_everywhere(self, root: Path) -> tuple[int, Path]:
+        """The newest checkpoint_<N> in `root`, the same on every rank: ranks that see different newest
+        folders (a store not shared between nodes, a save still being pruned) would load different states."""
+        iteration, directory = self._on_every_rank(lambda: newest_checkpoint(root))
+        seen = sorted({int(n) for n in Collectives().all_gather_object(iteration)})
+        if len(seen) > 1:
+            raise CheckpointError(
+                f"the ranks see different newest checkpoints in {root} (checkpoint_{seen[0]} ... "
+                f"checkpoint_{seen[-1]}): give load_state the directory to load"
+            )
+        return iteration, directory
 
     def _restore_step(self, own: Mapping[str, Any], path: Path) -> None:
         """`accelerator.step` (the accumulation counter) as saved; a file from before it was saved has none."""

@@ -61,10 +61,11 @@ def accelerate_loop(rank: int, world_size: int, stage: int | None, save_to: str 
     return result
 
 
-def prepared(stage: int):
-    """A ZeroAccelerator with the debug model, AdamW, the loader and a scheduler prepared."""
+def prepared(stage: int, **accelerator_options):
+    """A ZeroAccelerator (given `accelerator_options` besides) with the debug model, AdamW, the loader
+    and a scheduler prepared."""
     accelerator = ZeroAccelerator(
-        zero_config=ZeroConfig(stage=stage), gradient_accumulation_steps=ACCUMULATION
+        zero_config=ZeroConfig(stage=stage), gradient_accumulation_steps=ACCUMULATION, **accelerator_options
     )
     model = debug_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
