@@ -19,8 +19,9 @@ that is not UTF-8 text is refused, naming the byte offset.
 With several processes the model is sharded by the ZeRO engine (stage 3 by default: each rank
 reads only its slices) and each rank evaluates a share. Every input is read and checked before the
 model loads. Results are printed as a table and merged into DIR/eval_results.json, each recording what
-it was measured on; one that would replace an earlier result measured on other data (another file,
---split, example count, --limit or --num-fewshot) is refused before the run starts. A config's task
+it was measured on and its `dtype` (the compute dtype: --dtype, or the --zero-config's bf16 / fp16); one
+that would replace an earlier result measured on other data (another file, --split, example count,
+--limit or --num-fewshot) or in another dtype is refused before the run starts. A config's task
 on its validation data is saved as task:KIND, on --split S as task:KIND:S. Generation settings come from the config's `evaluation.generation`;
 `--section.key value` overrides any config key (e.g. --evaluation.generation.num_beams 4).
 """
@@ -43,6 +44,7 @@ from tnlg.eval.suite import (
     load_for_evaluation,
     read_passages,
     read_text,
+    refuse_other_dtype,
     refuse_other_measurements,
     results_path,
     results_table,
@@ -60,8 +62,10 @@ from tnlg.modeling.loading import check_model_config
 from tnlg.run.cli import configure_logging, exit_on_input_error
 from tnlg.run.finetune_config import FinetuneConfig, load_finetune_config
 from tnlg.sharding import ZeroConfig
+from tnlg.sharding.engine import COMPUTE_DTYPES
 
 logger = logging.getLogger("evaluate")
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # as entries record them: --dtype's names
 
 
 def task_measurement(config: FinetuneConfig, split: str | None, max_examples: int | None) -> dict:
@@ -168,6 +172,7 @@ def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[st
         args.sharding = sharding_asked(args)
     except ValueError as error:
         parser.error(str(error))
+    args.compute_dtype = compute_dtype_asked(args)  # recorded in every entry and loaded in (`load_model`)
     return args, overrides
 
 
@@ -178,6 +183,22 @@ def sharding_asked(args: argparse.Namespace) -> ZeroConfig | None:
     if args.zero_stage is None and not args.zero_config and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     return sharding_from_flags(args.zero_config, args.zero_stage, args.dtype, default_stage=3)
+
+
+def compute_dtype_asked(args: argparse.Namespace) -> str:
+    """The dtype the forward passes compute in, by its --dtype name: a sharded model's is its settled
+    mixed precision (`sharding_asked`, which settled --dtype with the --zero-config's bf16 / fp16), the
+    whole model's is --dtype (default float32)."""
+    if args.sharding is not None:
+        return DTYPE_NAMES[COMPUTE_DTYPES[args.sharding.mixed_precision]]
+    return args.dtype or "float32"
+
+
+def load_model(args: argparse.Namespace):
+    """The model and tokenizer, computing in `args.compute_dtype`: the sharded model in its settled
+    config's precision (which is that dtype), the whole model in that dtype."""
+    dtype = None if args.sharding is not None else DTYPES[args.compute_dtype]
+    return load_for_evaluation(args.model, args.sharding, dtype)
 
 
 def refuse_flags_without(
@@ -426,6 +447,11 @@ def harness_evaluation(args, model, tokenizer, manager, tasks: list[str]) -> dic
     return {name: entry | {"measured_on": measured_on} for name, entry in harness_results(output).items()}
 
 
+def with_dtype(results: dict[str, dict], dtype: str) -> dict[str, dict]:
+    """Every entry with the dtype its forward passes computed in: a bfloat16 figure is not a float32 one."""
+    return {name: entry | {"dtype": dtype} for name, entry in results.items()}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args, overrides = parse_arguments(argv)
     configure_logging()
@@ -439,20 +465,22 @@ def main(argv: list[str] | None = None) -> dict:
     refuse_a_window_past_the_model(args)
     planned = planned_measurements(args, config, tasks)
     refuse_other_measurements(target, planned)
+    refuse_other_dtype(target, [*result_sources(args), *planned], args.compute_dtype)
     inputs = read_inputs(args, config)
-    model, tokenizer = load_for_evaluation(
-        args.model, args.sharding, DTYPES[args.dtype] if args.dtype else None
-    )
+    model, tokenizer = load_model(args)
     results = evaluate_inputs(args, config, inputs, model, tokenizer, planned)
     if manager is not None:
         results |= harness_evaluation(args, model, tokenizer, manager, tasks)
+    results = with_dtype(results, args.compute_dtype)
     if rank_and_world()[0] == 0:
         print(results_table(results))  # before saving: a failed write still shows what was measured
     if target is None:
         logger.warning("not saved: --model %s is a preset name, not a checkpoint directory", args.model)
         return results
-    # lm-eval names a group's tasks only once it has run them: checked again, before anything is written
+    # lm-eval names a group's tasks only once it has run them: their measurements and dtype (settled
+    # before the model loaded) are checked again for those names, before anything is written
     refuse_other_measurements(target, {n: r["measured_on"] for n, r in results.items() if "measured_on" in r})
+    refuse_other_dtype(target, results, args.compute_dtype)
     save_results(target, results)
     if rank_and_world()[0] == 0:
         print(f"written to {target}")

@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+from tests.support.lm_eval_tasks import TASK_YAML
 from tnlg import TNLGConfig, TNLGForCausalLM
 from tnlg.data.tokenizer import train_byte_level_bpe
 from tnlg.eval.harness import run_lm_eval, task_manager
@@ -42,28 +43,6 @@ PASSAGES = [
     "the children ran down to the river to watch the\n swans",  # the line break moves to the target
     " ".join(["the boats came home"] * 40) + " at last",  # longer than the 128 positions
 ]
-# lambada_openai's own config (lm_eval/tasks/lambada/lambada_openai.yaml) on a local file.
-TASK_YAML = """\
-task: {task}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-  cache_dir: {cache}
-output_type: loglikelihood
-test_split: test
-doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
-doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
-metric_list:
-  - metric: perplexity
-    aggregation: perplexity
-    higher_is_better: false
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-"""
 
 
 @pytest.fixture(scope="module")

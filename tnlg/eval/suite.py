@@ -17,9 +17,10 @@ With several processes (`accelerate launch`, torchrun) the model is sharded by t
 every evaluation splits its work across the ranks; results are gathered, the same on every rank.
 Results are written next to the checkpoint (`eval_results.json`, one entry per evaluation, merged
 with earlier ones) and printed as a table. An entry records what it was measured on (a file's
-`source` and a perplexity's window; a task's or lm-eval task's `measured_on`), and an earlier entry of
-the same name measured on something else is never replaced (`refuse_other_measurements`; the file and
-window checks are scripts/evaluate.py's): the run is refused before it starts.
+`source` and a perplexity's window; a task's or lm-eval task's `measured_on`) and the `dtype` its
+forward passes computed in, and an earlier entry of the same name measured on something else or in
+another dtype is never replaced (`refuse_other_measurements`, `refuse_other_dtype`; the file and window
+checks are scripts/evaluate.py's): the run is refused before it starts.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -289,14 +291,31 @@ def refuse_other_measurements(path: Path | None, planned: dict[str, dict[str, An
     """ValueError when `path` holds a result of a name in `planned` that was measured on other data
     (its "measured_on": the data source, split, example count, or lm-eval's limit and shots): saving
     would replace it with numbers of something else. A result that records none is replaced."""
+    _refuse_another("measured_on", path, planned, "measured on", json.dumps)
+
+
+def refuse_other_dtype(path: Path | None, names: Iterable[str], dtype: str) -> None:
+    """ValueError when `path` holds a result of one of `names` computed in another dtype than `dtype`
+    (its "dtype": "float32", "bfloat16" or "float16"): saving would replace a figure with one of another
+    precision. A result that records no dtype (written by an older tnlg) is not compared: it is replaced,
+    as for any setting an earlier result does not record."""
+    _refuse_another("dtype", path, dict.fromkeys(names, dtype), "computed in", str)
+
+
+def _refuse_another(
+    key: str, path: Path | None, planned: dict[str, Any], phrase: str, shown: Callable[[Any], str]
+) -> None:
+    """ValueError when an earlier result of a name in `planned` records another `key` than planned,
+    said as "{name} {phrase} {before}, not {preposition} {planned}"."""
     earlier = earlier_results(path) if path is not None else {}
-    for name, measured_on in planned.items():
+    preposition = phrase.split()[-1]
+    for name, value in planned.items():
         entry = earlier.get(name)
-        before = entry.get("measured_on") if isinstance(entry, dict) else None
-        if before is not None and before != measured_on:
+        before = entry.get(key) if isinstance(entry, dict) else None
+        if before is not None and before != value:
             raise ValueError(
-                f"{path} already holds {name} measured on {json.dumps(before)}, not on {json.dumps(measured_on)} "
-                "as this run would: saving would replace it; move the earlier results away to replace them"
+                f"{path} already holds {name} {phrase} {shown(before)}, not {preposition} {shown(value)} as "
+                "this run would: saving would replace it; move the earlier results away to replace them"
             )
 
 
