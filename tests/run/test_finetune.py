@@ -129,7 +129,11 @@ def test_a_resumed_run_keeps_the_evaluation_before_training(cache, base, tmp_pat
     before = json.loads((output / "evaluation.json").read_text())["before"]
     assert before == stopped["evaluation"]["before"]
     checkpoint = output / "checkpoints" / "step-00000001"
-    resumed = finetune(cache, base, output, *arguments, resume=str(checkpoint), steps=2)[0]
+    # the resume may change the precision: each evaluation says the dtype it was computed in
+    resumed = finetune(
+        cache, base, output, *arguments, "--train.mixed_precision", "bf16", resume=str(checkpoint), steps=2
+    )[0]
     saved = json.loads((output / "evaluation.json").read_text())
     assert set(saved) == {"before", "after"} and saved["before"] == before  # measured by the first run
     assert resumed["evaluation"] == saved
+    assert (saved["before"]["dtype"], saved["after"]["dtype"]) == ("float32", "bfloat16")

@@ -400,7 +400,7 @@ def train(config: TrainingConfig, job: TrainingJob, resume: str | None = None) -
     run = build_run(config, job, resume)
     evaluation = _evaluation_before(run)
     if job.evaluate_before and run.start_step == 0 and _runs_final_evaluation(run, "before"):
-        evaluation["before"] = job.final_evaluation(run.engine, run.tokenizer, run.accelerator)
+        evaluation["before"] = _final_evaluation(run, job)
         _write_evaluation(run, evaluation)  # now: a run stopped before its end keeps it for its resume
     progress = tqdm(
         total=config.train.max_steps,
@@ -433,8 +433,15 @@ def train(config: TrainingConfig, job: TrainingJob, resume: str | None = None) -
     # generation setting, a metric's missing package) loses nothing of the training.
     final = _save_final_model(run)
     if job.evaluate_after and _runs_final_evaluation(run, "after"):
-        evaluation["after"] = job.final_evaluation(run.engine, run.tokenizer, run.accelerator)
+        evaluation["after"] = _final_evaluation(run, job)
     return _finish(run, final, evaluation)
+
+
+def _final_evaluation(run: Run, job: TrainingJob) -> dict[str, Any]:
+    """The job's evaluation of the model as it is, with the dtype its forward passes computed in: a resume
+    may change train.mixed_precision, and a bf16 "before" beside an fp32 "after" is not like with like."""
+    result = job.final_evaluation(run.engine, run.tokenizer, run.accelerator)
+    return {**result, "dtype": dtype_name(run.engine.compute_dtype)}
 
 
 def _evaluation_before(run: Run) -> dict[str, Any]:
@@ -449,7 +456,23 @@ def _evaluation_before(run: Run) -> dict[str, Any]:
         raise ValueError(
             f"{path} holds a JSON {type(earlier).__name__}, not the run's evaluations: move it away"
         )
-    return {"before": earlier["before"]} if "before" in earlier else {}
+    if "before" not in earlier:
+        return {}
+    before, now = earlier["before"], dtype_name(run.engine.compute_dtype)
+    if run.accelerator.is_main_process and isinstance(before, dict) and before.get("dtype", now) != now:
+        logger.warning(
+            "%s: the evaluation before training was computed in %s and this resumed run computes in %s: its "
+            "'after' is of another precision (each records its dtype)",
+            path,
+            before["dtype"],
+            now,
+        )
+    return {"before": before}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as results record it: "float32", "bfloat16", "float16"."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _write_evaluation(run: Run, evaluation: dict[str, Any]) -> None:
