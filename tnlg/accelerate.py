@@ -74,9 +74,11 @@ from tnlg.launch_settings import (
     with_grad_scaler_kwargs,
     zero_config_from_environment,
 )
+from tnlg.modeling.loading import write_checksums
 from tnlg.sharding import CompileConfig, DeepSpeedConfig, ParallelDims, ZeroConfig, ZeroEngine, initialize
 from tnlg.sharding.checkpoint import CheckpointError, engine_directory, read_on_every_rank
 from tnlg.sharding.collectives import Collectives
+from tnlg.sharding.consolidate import write_shards
 from tnlg.sharding.deepspeed import engine_settings
 from tnlg.sharding.parallel import build_groups
 from tnlg.state_files import (
@@ -135,6 +137,15 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()
+
+    def add_param_group(self, param_group: dict) -> None:
+        # The engine shards, reduces and zeroes the groups it was built with; a group added afterwards
+        # would be stepped by the optimizer but never reduced or zeroed (its .grad grew step after step).
+        raise RuntimeError(
+            "add_param_group on an optimizer the ZeRO engine shards: the engine reduces and zeroes only the "
+            "groups it was built with; give the optimizer every group before accelerator.prepare(), or make "
+            "the tensor a parameter of the model"
+        )
 
     @property
     def step_was_skipped(self) -> bool:
@@ -286,6 +297,14 @@ class ZeroAccelerator(Accelerator):
             raise RuntimeError(
                 "prepare_engine needs the ZeRO engine on (zero_config or TNLG_ZERO_* settings)"
             )
+        open_engines = [engine for engine in self.engines if not engine.closed]
+        if open_engines:
+            # backward, clipping and save_state act on the one engine: a second would train unclipped and
+            # go unsaved. Accelerate under DeepSpeed refuses a second model alike.
+            raise RuntimeError(
+                "ZeroAccelerator trains one model with the ZeRO engine at a time, and one is prepared already: "
+                "call accelerator.free_memory() (which closes its engine) before preparing another model"
+            )
         if not any(p.is_meta for p in model.parameters()):
             model = model.to(self.device)
         engine = initialize(
@@ -306,6 +325,37 @@ class ZeroAccelerator(Accelerator):
         )
         self._optimizers.append(wrapped_optimizer)
         return engine, wrapped_optimizer
+
+    def free_memory(self, *objects: Any):
+        """Accelerate's, with the engines closed and dropped first (as Accelerate destroys its DeepSpeed
+        engine): their buffers are freed, using them afterwards raises, and the next prepare() builds a
+        new engine. (Kept, backward, clipping and save_state went on acting on the first one.)"""
+        for engine in self.engines:
+            engine.close()
+        self.engines = []
+        return super().free_memory(*objects)
+
+    def prepare_model(
+        self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ):
+        """Accelerate's for an evaluation-only model (the Trainer's, before training); a model to train goes
+        through prepare(model, optimizer), which shards it: here it would be wrapped in DDP unsharded."""
+        if self.zero_config is not None and not evaluation_mode:
+            raise RuntimeError(
+                "prepare_model trains a model under DDP, not the ZeRO engine: call "
+                "accelerator.prepare(model, optimizer), which shards both (evaluation_mode=True is taken)"
+            )
+        return super().prepare_model(
+            model, device_placement=device_placement, evaluation_mode=evaluation_mode
+        )
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
+        if self.zero_config is not None:
+            raise RuntimeError(
+                "prepare_optimizer would step an unsharded optimizer beside the ZeRO engine: call "
+                "accelerator.prepare(model, optimizer), which shards both"
+            )
+        return super().prepare_optimizer(optimizer, device_placement=device_placement)
 
     @property
     def data_parallel_rank(self) -> int:
@@ -599,30 +649,27 @@ class ZeroAccelerator(Accelerator):
         max_shard_size: int | str = "10GB",
         safe_serialization: bool = True,
     ) -> None:
-        """A Transformers-style sharded safetensors model written by the main process, never a partial one."""
+        """A Transformers-style sharded safetensors model (shards of at most `max_shard_size` with their index,
+        or one model.safetensors) written by the main process. Safetensors only: safe_serialization=False,
+        Accelerate's pickled .bin files, is refused rather than ignored."""
         engine = self._engine_of(model)
         if engine is None:
             return super().save_model(model, save_directory, max_shard_size, safe_serialization)
+        if not safe_serialization:
+            raise ValueError(
+                "save_model(safe_serialization=False) asks for pickled .bin files: a ZeRO engine's model is "
+                "saved as safetensors only (no pickles); leave safe_serialization at True"
+            )
         state = self.get_state_dict(engine)  # collective: every rank takes part
         if self.is_main_process:
             module = engine.module
             if hasattr(module, "save_pretrained"):
-                module.save_pretrained(
-                    save_directory,
-                    state_dict=state,
-                    max_shard_size=max_shard_size,
-                    safe_serialization=safe_serialization,
-                )
+                module.save_pretrained(save_directory, state_dict=state, max_shard_size=max_shard_size)
             else:
-                from safetensors.torch import save_file
-
-                from tnlg.modeling.loading import remove_weight_files, write_checksums
-
                 directory = Path(save_directory)
-                directory.mkdir(parents=True, exist_ok=True)
-                remove_weight_files(directory)  # an earlier save's shards must not outlive this one
-                save_file(state, directory / "model.safetensors")
-                write_checksums(directory, ["model.safetensors"])
+                sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in state.items()}
+                written = write_shards(directory, list(state), state.__getitem__, sizes, max_shard_size)
+                write_checksums(directory, [path.name for path in written if path.suffix == ".safetensors"])
         self.wait_for_everyone()
 
 
