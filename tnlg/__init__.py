@@ -5,6 +5,7 @@ Importing `tnlg` registers the TNLG model with Transformers' Auto classes, so
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers.models.auto import modeling_auto
 
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM, TNLGModel, TNLGPreTrainedModel
 
@@ -16,6 +17,13 @@ def _register_with_auto_classes() -> None:
     AutoConfig.register(TNLGConfig.model_type, TNLGConfig, exist_ok=True)
     AutoModel.register(TNLGConfig, TNLGModel, exist_ok=True)
     AutoModelForCausalLM.register(TNLGConfig, TNLGForCausalLM, exist_ok=True)
+    # register() does not list a model among the causal LMs by name, and that list is how Transformers
+    # tells one: the Trainer's label smoothing shifts the labels only for the classes it names (without
+    # it, label_smoothing_factor trained TNLG to repeat each token, not predict the next), as do the
+    # text-generation pipeline's model check and `transformers serve`. Listed as GPT-2 is.
+    names = getattr(modeling_auto, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", None)
+    if names is not None:
+        names.setdefault(TNLGConfig.model_type, TNLGForCausalLM.__name__)
 
 
 _register_with_auto_classes()

@@ -139,3 +139,23 @@ def test_output_loading_info_reports_an_untied_head_under_a_tied_config(tmp_path
     (tmp_path / "config.json").write_text(json.dumps(config))
     _, info = TNLGForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert any("lm_head.weight differs from the token embedding" in message for message in info["error_msgs"])
+
+
+@pytest.mark.parametrize("kind", ["TNLG", "GPT-2"])
+def test_the_trainers_label_smoothing_shifts_tnlgs_labels_as_gpt2s(tmp_path, kind):
+    # The Trainer computes a smoothed loss from the logits itself, shifting the labels only for the
+    # causal LMs Transformers lists by name: TNLG unlisted trained to repeat each token (5.78, not 6.25).
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=512)
+    model = TNLGForCausalLM(tnlg_config_from_gpt2(config)) if kind == "TNLG" else GPT2LMHeadModel(config)
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), label_smoothing_factor=1e-6, report_to=[], use_cpu=True
+    )
+    trainer = Trainer(model=model.eval(), args=args)  # eval: no dropout between the two forwards
+    with torch.no_grad():
+        smoothed = trainer.compute_loss(model, {"input_ids": ids, "labels": ids})
+        own = model(input_ids=ids, labels=ids).loss
+    assert smoothed.item() == pytest.approx(own.item(), rel=1e-4)
