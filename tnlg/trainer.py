@@ -180,6 +180,20 @@ def _refuse_best_weights_it_cannot_load(accelerator: ZeroAccelerator, args: Trai
         )
 
 
+def _refuse_a_full_eval_cast(args: TrainingArguments) -> None:
+    """bf16_full_eval / fp16_full_eval cast the whole model for an evaluation outside training: the engine
+    holds its parameters, so after training the cast failed with an error about gradients (naming neither
+    setting), and before it would cast the weights training then starts from."""
+    for name in ("bf16_full_eval", "fp16_full_eval"):
+        if getattr(args, name, False):
+            precision = name.split("_")[0]
+            raise ValueError(
+                f"{name}=True casts the whole model for evaluation, and the ZeRO engine holds its parameters: "
+                f"the engine evaluates in its training precision, so set {precision}=True to evaluate in "
+                f"{precision} (or evaluate the saved model, e.g. scripts/evaluate.py --dtype), and leave {name} off"
+            )
+
+
 class ZeroTrainer(Trainer):
     """A `Trainer` that shards the model and optimizer with tnlg's ZeRO engine (see the module docs)."""
 
@@ -211,6 +225,7 @@ class ZeroTrainer(Trainer):
         )
         _check_batch_keys(settings, self.args, accelerator.data_parallel_size)
         _refuse_best_weights_it_cannot_load(accelerator, self.args)
+        _refuse_a_full_eval_cast(self.args)
         asked = self.args.deepspeed or self.args.fsdp or self.args.fsdp_plugin_args is not None
         if asked or self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(

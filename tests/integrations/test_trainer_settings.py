@@ -153,3 +153,19 @@ def test_a_precision_conflict_names_what_the_user_set_on_each_side(tmp_path):
     )
     assert found["json"].startswith("TrainingArguments.fp16=True conflicts with bf16.enabled: true in ")
     assert "which enables bf16" in found["json"]
+
+
+def _full_eval(rank: int, world_size: int, directory: str) -> dict:
+    from tnlg.sharding import ZeroConfig
+
+    return {
+        name: _outcome(directory, ZeroConfig(stage=2), **{name: True})
+        for name in ("bf16_full_eval", "fp16_full_eval")
+    }
+
+
+def test_a_full_eval_cast_is_refused_naming_the_setting(tmp_path):
+    # The Trainer casts the whole model for it; after training that failed on the engine's gradients.
+    found = run_distributed(_full_eval, 1, str(tmp_path))[0]
+    assert "bf16_full_eval=True casts the whole model" in found["bf16_full_eval"]
+    assert "set fp16=True" in found["fp16_full_eval"]
