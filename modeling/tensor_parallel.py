@@ -50,6 +50,7 @@ import contextlib
 import functools
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -434,7 +435,35 @@ def _cuts(
             )
             if slices.setdefault(key, cut) != cut:
                 raise ValueError(f"apply_tensor_parallel: tied parameter {key} is cut two different ways")
+    _refuse_a_cut_seen_whole(model, targets, slices, names)
     return slices
+
+
+def _refuse_a_cut_seen_whole(
+    model: nn.Module, targets: list[tuple[str, nn.Module, str]], slices: dict[str, TensorSlice], names: dict
+) -> None:
+    """ValueError when a parameter the plan cuts is also held by a module the plan leaves whole: a tied
+    embedding under a sliced head (Transformers' Llama with tie_word_embeddings declares only the head)
+    would look up ids in this rank's rows as if they were the whole vocabulary, silently."""
+    cut_by = {
+        id(param): (name, style)
+        for name, module, style in targets
+        for param in module.parameters(recurse=False)
+        if names[id(param)] in slices
+    }
+    targeted = {id(module) for _, module, _ in targets}
+    for name, module in model.named_modules():
+        if id(module) in targeted or getattr(module, "held_by_other_stage", False):
+            continue  # a module another pipeline stage holds is a placeholder here (modeling/pipeline.py)
+        for attr, param in module.named_parameters(recurse=False):
+            if id(param) in cut_by:
+                owner, style = cut_by[id(param)]
+                raise ValueError(
+                    f"apply_tensor_parallel: {name}.{attr} is the parameter the plan cuts for {owner!r} ({style}), "
+                    f"but the plan leaves {name!r} whole: it would read this rank's slice as the whole tensor. "
+                    f"Declare {name!r} in the plan (e.g. embedding_rowwise for a tied embedding), or untie it "
+                    "(tie_word_embeddings=False)"
+                )
 
 
 def plan_slices(model: nn.Module, degree: int, rank: int = 0) -> dict[str, TensorSlice]:
@@ -457,6 +486,8 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup) -> dict[st
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "check_tensor_parallel"):
         config.check_tensor_parallel(degree)
+    elif config is not None:
+        _check_whole_heads(config, degree)
 
     slices = _cuts(model, targets, degree, rank)
     parameters = dict(model.named_parameters())
@@ -471,6 +502,19 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup) -> dict[st
             module.tp_gather_output = True
     model._tnlg_tensor_slices = dict(slices)
     return slices
+
+
+def _check_whole_heads(config: Any, degree: int) -> None:
+    """ValueError when a Transformers config's attention heads do not divide into `degree` slices: the
+    projections' rows would still divide (1 key/value head of 16 rows cuts into 8 + 8), and the first
+    forward would fail reshaping half a head, naming neither the heads nor the degree."""
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, field, None)
+        if isinstance(heads, int) and heads % degree:
+            raise ValueError(
+                f"apply_tensor_parallel: {field} = {heads} does not divide into {degree} tensor slices: each "
+                f"slice would hold part of a head; use a tensor degree that divides {heads}"
+            )
 
 
 def tensor_slices(model: nn.Module) -> dict[str, TensorSlice]:

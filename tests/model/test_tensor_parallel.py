@@ -8,7 +8,7 @@ import torch
 
 from tests.support import tensor_parallel_cases as cases
 from tnlg.modeling import TNLGConfig, TNLGForCausalLM
-from tnlg.modeling.tensor_parallel import TensorSlice, apply_tensor_parallel, declared_plan
+from tnlg.modeling.tensor_parallel import TensorSlice, apply_tensor_parallel, declared_plan, plan_slices
 from tnlg.tools.spawn import run_distributed
 
 ATOL = 1e-5
@@ -180,3 +180,28 @@ def test_ids_and_labels_outside_the_vocabulary_raise_as_unsliced() -> None:
             assert f"outside the vocabulary of {cases.VOCAB}" in message, (case, message)
         torch.testing.assert_close(compiled_loss, eager_loss, rtol=0, atol=ATOL)
         torch.testing.assert_close(compiled_embed, eager_embed, rtol=0, atol=0)
+
+
+def _llama(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def test_a_tied_embedding_the_plan_leaves_whole_is_refused() -> None:
+    # Llama declares only its head: tied, the embedding kept the head's half-height rows and looked ids up
+    # in them as if they were the whole vocabulary (wrong losses, or an IndexError mid-forward).
+    message = "model.embed_tokens.weight is the parameter the plan cuts for 'lm_head'"
+    with pytest.raises(ValueError, match=message):
+        plan_slices(_llama(tied=True), 2)
+    assert "lm_head.weight" in plan_slices(_llama(tied=False), 2)  # untied: the head alone is cut
+
+
+@pytest.mark.slow
+def test_attention_heads_that_do_not_divide_are_refused_before_cutting() -> None:
+    for message in run_distributed(cases.transformers_heads_case, 2, timeout=120):
+        assert "num_key_value_heads = 1 does not divide into 2 tensor slices" in message

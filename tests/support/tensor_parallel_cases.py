@@ -255,3 +255,18 @@ def out_of_range_case(rank: int, world_size: int) -> dict[str, str]:
             compiled_embed(valid.clamp(min=0)),
         )
     return results
+
+
+def transformers_heads_case(rank: int, world_size: int) -> str:
+    """What apply_tensor_parallel says of a Mistral whose one key/value head cannot be cut in two."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=32,
+    )  # fmt: skip
+    try:
+        apply_tensor_parallel(MistralForCausalLM(config), dist.group.WORLD)
+    except ValueError as error:
+        return str(error)
+    return "no error"
