@@ -306,7 +306,9 @@ def _match(module: nn.Module, checkpoint: SafetensorsCheckpoint, slices: Mapping
 # ---------------------------------------------------------------------------------------------- loading
 @dataclass(frozen=True)
 class PretrainedLoad:
-    uninitialized: frozenset[int]  # ids of the parameters the checkpoint lacks (strict=False)
+    # ids of the tensors the checkpoint lacks: parameters (strict=False) and meta buffers (the
+    # non-persistent ones are never saved); the engine's initialization gives them their values
+    uninitialized: frozenset[int]
     bytes_read: int  # by this rank
 
 
@@ -326,7 +328,7 @@ def load_pretrained(
 
     collectives = engine.collectives
 
-    def read() -> tuple[SafetensorsCheckpoint, dict[int, str]]:
+    def read() -> tuple[SafetensorsCheckpoint, tuple[dict[int, str], dict[int, str]]]:
         share = (collectives.rank, collectives.world_size)
         checkpoint = SafetensorsCheckpoint(source.path, verify=source.verify_checksums, share=share)
         try:
@@ -334,14 +336,14 @@ def load_pretrained(
         finally:
             checkpoint.close()
 
-    checkpoint, uninitialized = read_on_every_rank(collectives, read)
+    checkpoint, (uninitialized, buffers) = read_on_every_rank(collectives, read)
     if uninitialized:
         logger.warning(
             "%s: %d parameters are not in the checkpoint and get the seeded initialization: %s",
             source.path, len(uninitialized), _listed(sorted(uninitialized.values())),
         )  # fmt: skip
     logger.info("%s: rank %d read %.1f MB", source.path, collectives.rank, checkpoint.bytes_read / 2**20)
-    return PretrainedLoad(frozenset(uninitialized), checkpoint.bytes_read)
+    return PretrainedLoad(frozenset(uninitialized) | frozenset(buffers), checkpoint.bytes_read)
 
 
 def _read_into(
@@ -350,8 +352,9 @@ def _read_into(
     source: PretrainedSource,
     device: torch.device,
     slices: Mapping[str, TensorSlice],
-) -> dict[int, str]:
-    """Read every matched tensor this rank needs; returns the parameters left to initialise (id -> name)."""
+) -> tuple[dict[int, str], dict[int, str]]:
+    """Read every matched tensor this rank needs; returns the parameters and the buffers left to
+    initialise (each id -> name)."""
     match = _match(engine.module, checkpoint, slices)
     problems = match.problems(source.strict)
     if problems:
@@ -394,10 +397,12 @@ def _read_into(
             group.load_slot(index, part.reshape(tensor.shape).to(device))
         else:
             group.load_owned(index, part.to(device))
-    meta_buffers = [n for n, t in match.tensors.items() if t.is_meta and not isinstance(t, nn.Parameter)]
-    if meta_buffers:
-        raise CheckpointError(f"meta-device buffers are not in the checkpoint: {_listed(meta_buffers)}")
-    return uninitialized
+    # Meta buffers the checkpoint does not hold: the non-persistent ones (state_dict, hence the
+    # checkpoint, leaves them out, e.g. rotary inv_freq) and, with strict=False, missing ones.
+    # from_pretrained moves them off meta and runs the model's initialization on them; so does the
+    # engine (materialize, which refuses by name a buffer that no rule writes).
+    buffers = {id(b): n for n, b in engine.module.named_buffers() if b.is_meta}
+    return uninitialized, buffers
 
 
 def _check_floating(checkpoint: SafetensorsCheckpoint, key: str, tensor: torch.Tensor) -> None:

@@ -3,12 +3,16 @@ the unsharded seeded initialization gives, at every world size and stage."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from torch import nn
 
+from tests.support import meta_init_cases
 from tests.support.zero_models import AwkwardModel, batches, local, make_optimizer
 from tnlg import TNLGConfig, TNLGForCausalLM
-from tnlg.sharding import ZeroConfig, init_weights, initialize
+from tnlg.sharding import ZeroConfig, init_weights, initialize, materialize
 from tnlg.tools.spawn import run_distributed
 
 SEED = 11
@@ -86,3 +90,68 @@ def test_a_meta_model_trains_like_the_same_model_built_unsharded():
         optimizer.step()
         optimizer.zero_grad()
     assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def _same_distribution(name: str, got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal where the initialization is a constant (zero biases, unit norms), else the same mean and
+    std within sampling noise (at least 4096 elements each: the std's relative noise is ~1%)."""
+    if expected.std() == 0:
+        assert torch.equal(got, expected), name
+        return
+    got, expected = got.float(), expected.float()
+    assert got.std().item() == pytest.approx(expected.std().item(), rel=0.1), name
+    assert abs(got.mean().item() - expected.mean().item()) < 0.1 * expected.std().item(), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "gpt_bigcode", "llama"])
+def test_a_meta_transformers_model_gets_transformers_own_initialization(kind):
+    """GPT-2 and GPTBigCode rescale c_proj in the rule of their attention / MLP modules, which own no
+    parameter (the parent's rule runs after its children's, as in Transformers' initialize_weights);
+    GPTBigCode's causal mask and Llama's rotary frequencies (non-persistent buffers) come from their
+    rules too. Built on meta and materialized on 2 ranks at stages 0 and 3, each parameter has the
+    distribution of the same model built normally, and each buffer its exact value."""
+    results = run_distributed(meta_init_cases.materialized, 2, [kind], [0, 3], timeout=300)[0]
+    reference = meta_init_cases.build(kind, meta=False)
+    for stage in (0, 3):
+        result = results[kind, stage]
+        assert result["state"].keys() == reference.state_dict().keys()
+        for name, tensor in reference.state_dict().items():
+            _same_distribution(f"stage {stage}: {name}", result["state"][name], tensor)
+        for name, buffer in reference.named_buffers():
+            assert torch.equal(result["buffers"][name], buffer), (stage, name)
+        assert result["loss"] == pytest.approx(math.log(meta_init_cases.VOCAB), rel=0.05)
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+
+class _ParentRuled(nn.Module):
+    """A parent module's rule that writes its child's weight through `.data` (Transformers 4 style),
+    which bumps no version counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = _Residual()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()
+        elif isinstance(module, _Residual):
+            module.proj.weight.data.fill_(0.5)
+
+
+def test_a_parent_rule_writing_a_child_through_data_is_followed():
+    with torch.device("meta"):
+        model = _ParentRuled()
+    values = {}
+    materialize(model, SEED, torch.device("cpu"), lambda p, v: values.__setitem__(id(p), v))
+    assert torch.equal(values[id(model.block.proj.weight)], torch.full((4, 4), 0.5))
+    assert values[id(model.block.proj.bias)].abs().max() > 0  # the Linear's own rule still ran
+    ordinary = _ParentRuled()
+    init_weights(ordinary, SEED)
+    assert torch.equal(ordinary.block.proj.weight, torch.full((4, 4), 0.5))
+    assert torch.equal(ordinary.block.proj.bias, values[id(model.block.proj.bias)])

@@ -11,7 +11,9 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import LlamaForCausalLM
 
+from tests.support import meta_init_cases
 from tests.support.pretrained_cases import SEED, load_error, load_sharded, peak_memory_of_loading
 from tnlg import TNLGConfig, TNLGForCausalLM, TNLGModel
 from tnlg.sharding import SafetensorsCheckpoint, ZeroConfig, init_weights, initialize, meta_from_pretrained
@@ -235,3 +237,34 @@ def test_peak_memory_per_rank_stays_near_its_shard(tmp_path):
         assert naive["peak_mb"] >= full_mb, (rank, result)  # the measurement sees a whole model
         assert sharded["peak_mb"] <= 1.15 * sharded["engine_mb"] + 8, (rank, result)
         assert sharded["peak_mb"] < 0.6 * full_mb, (rank, result)
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    """A tiny Transformers Llama saved: its rotary inv_freq / original_inv_freq are non-persistent
+    buffers, so the checkpoint does not hold them."""
+    path = tmp_path_factory.mktemp("llama")
+    meta_init_cases.build("llama", meta=False).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_llama_gets_the_buffers_and_the_loss_of_from_pretrained(saved_llama, stage):
+    model = meta_from_pretrained(LlamaForCausalLM, saved_llama)
+    engine = initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ZeroConfig(stage=stage))
+    expected = LlamaForCausalLM.from_pretrained(saved_llama)
+    for name, buffer in expected.named_buffers():
+        assert torch.equal(dict(engine.module.named_buffers())[name], buffer), name
+    ids = meta_init_cases.ids()
+    with torch.no_grad():
+        loss = engine(input_ids=ids, labels=ids).loss.item()
+        assert loss == pytest.approx(expected(input_ids=ids, labels=ids).loss.item(), rel=1e-6)
+
+
+def test_a_meta_buffer_that_no_initializer_writes_is_refused_by_name(tmp_path):
+    meta_init_cases.LlamaWithScratch(meta_init_cases.CONFIGS["llama"]()).save_pretrained(tmp_path)
+    model = meta_from_pretrained(meta_init_cases.LlamaWithScratch, tmp_path)
+    with pytest.raises(
+        ValueError, match=r"no initializer gives these meta-device tensors a value: scratch\."
+    ):
+        initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ZeroConfig(stage=3))
