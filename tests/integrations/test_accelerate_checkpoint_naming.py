@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.accelerate_cases import prepared, train_loop
-from tnlg.sharding.checkpoint import CheckpointError
+from tests.support.accelerate_cases import WarningRecords, prepared, refusal, train_loop
 from tnlg.tools.spawn import run_distributed
 
 pytest.importorskip("torchdata", reason="Accelerate's stateful data loaders are torchdata's")
@@ -30,25 +29,8 @@ def _options(project: str) -> dict:
     }
 
 
-def _refusal(call) -> str | None:
-    try:
-        call()
-    except (ValueError, CheckpointError) as error:
-        return str(error)
-    return None
-
-
 def _listing(directory: Path) -> list[tuple[str, int]]:
     return sorted((p.name, p.stat().st_size) for p in directory.iterdir())
-
-
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def _named_run(rank: int, world_size: int, project: str) -> dict:
@@ -62,10 +44,10 @@ def _named_run(rank: int, world_size: int, project: str) -> dict:
     for taken in (1, 1, half - 2):  # three saves: checkpoint_0, _1, _2; total_limit 2 keeps _1 and _2
         train_loop(accelerator, model, optimizer, itertools.islice(batches, taken), scheduler)
         accelerator.save_state()
-    named = _refusal(lambda: accelerator.save_state(f"{project}/elsewhere"))
+    named = refusal(lambda: accelerator.save_state(f"{project}/elsewhere"))
     before = _listing(root / "checkpoint_2")
     accelerator.project_configuration.iteration = 2
-    exists = _refusal(accelerator.save_state)
+    exists = refusal(accelerator.save_state)
     after = _listing(root / "checkpoint_2")
     accelerator.wait_for_everyone()
 
@@ -77,7 +59,7 @@ def _named_run(rank: int, world_size: int, project: str) -> dict:
     # A checkpoint holding no state of the loader (an older tnlg's) loads, saying so.
     accelerator.wait_for_everyone()
     (root / "checkpoint_2" / f"dataloader-0-rank-{rank:05d}.json").unlink()
-    warnings = _Warnings()
+    warnings = WarningRecords()
     logging.getLogger("tnlg").addHandler(warnings)
     accelerator.load_state()
     logging.getLogger("tnlg").removeHandler(warnings)
@@ -87,7 +69,7 @@ def _named_run(rank: int, world_size: int, project: str) -> dict:
         "folders": sorted(p.name for p in root.iterdir()), "files": [name for name, _ in before],
         "named": named, "exists": exists, "unchanged": before == after,
         "elsewhere": Path(f"{project}/elsewhere").exists(), "old": warnings.messages,
-        "nothing_saved": _refusal(empty.load_state),
+        "nothing_saved": refusal(empty.load_state),
     }  # fmt: skip
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.support.accelerate_cases import refusal
 from tests.support.zero_tnlg_cases import debug_model
 from tnlg.accelerate import ZeroAccelerator
 from tnlg.sharding import ZeroConfig
@@ -36,31 +37,23 @@ def _clipped_training(accelerator: ZeroAccelerator, seed: int) -> dict:
     return {"norms": norms, "losses": losses, "model": model, "optimizer": optimizer}
 
 
-def _refused(call) -> str | None:
-    try:
-        call()
-    except (RuntimeError, ValueError) as error:
-        return str(error)
-    return None
-
-
 def _lifecycle(rank: int, world_size: int, directory: str) -> dict:
     fresh = _clipped_training(ZeroAccelerator(zero_config=ZeroConfig(stage=2)), seed=1)
     accelerator = ZeroAccelerator(zero_config=ZeroConfig(stage=2))
     first = _clipped_training(accelerator, seed=0)
     second_model = debug_model()
     refusals = {
-        "second": _refused(
+        "second": refusal(
             lambda: accelerator.prepare(second_model, torch.optim.SGD(second_model.parameters(), lr=0.1))
         ),
-        "add_param_group": _refused(
+        "add_param_group": refusal(
             lambda: first["optimizer"].add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
         ),
-        "prepare_model": _refused(lambda: accelerator.prepare_model(debug_model())),
-        "prepare_optimizer": _refused(
+        "prepare_model": refusal(lambda: accelerator.prepare_model(debug_model())),
+        "prepare_optimizer": refusal(
             lambda: accelerator.prepare_optimizer(torch.optim.SGD(second_model.parameters(), lr=0.1))
         ),
-        "pickles": _refused(lambda: accelerator.save_model(first["model"], f"{directory}/bin", safe_serialization=False)),
+        "pickles": refusal(lambda: accelerator.save_model(first["model"], f"{directory}/bin", safe_serialization=False)),
     }  # fmt: skip
     evaluation_only = type(accelerator.prepare_model(debug_model(), evaluation_mode=True)).__name__
     old_engine = accelerator.engine
@@ -99,7 +92,7 @@ def _plain_module_saved(directory: str) -> dict:
 
 
 @pytest.mark.slow
-def test_free_memory_starts_over_and_what_the_engine_cannot_apply_is_refused(tmp_path):
+def test_free_memory_starts_over_and_what_the_engine_cannot_apply_isrefusal(tmp_path):
     for rank, result in enumerate(run_distributed(_lifecycle, 2, str(tmp_path), timeout=600)):
         # after free_memory the second model trains and clips exactly as on a fresh accelerator
         assert result["second"] == result["fresh"] and min(result["second"]["norms"]) > 0

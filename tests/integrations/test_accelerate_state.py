@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.accelerate_cases import prepared, train_loop
+from tests.support.accelerate_cases import WarningRecords, prepared, train_loop
 from tests.support.zero_tnlg_cases import debug_model
 from tnlg.sharding import ZeroConfig
 from tnlg.sharding.checkpoint import CheckpointError
@@ -25,15 +25,6 @@ def _numpy_masked(batch: dict) -> dict:
     """A data augmentation drawn from numpy's global generator, as many pipelines do: some labels masked."""
     keep = torch.from_numpy(np.random.rand(*batch["labels"].shape) > 0.3)
     return {**batch, "labels": torch.where(keep, batch["labels"], torch.full_like(batch["labels"], -100))}
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def _without(path: Path, drop) -> None:
@@ -70,7 +61,7 @@ def _resumed(rank: int, world_size: int, directory: str) -> dict:
         lambda s: (s.pop("accelerator_step", None), s["rng"].pop("numpy", None)),
     )
     accelerator.step = 5  # whatever it is, a file without the step leaves it so
-    records = _Records()
+    records = WarningRecords()
     logging.getLogger("tnlg").addHandler(records)
     accelerator.load_state(directory)
     logging.getLogger("tnlg").removeHandler(records)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from pathlib import Path
 
 import torch
@@ -111,3 +112,23 @@ def save_and_load_state(rank: int, world_size: int, stage: int, directory: str) 
     except CheckpointError as error:
         missing = str(error)
     return {"whole": whole, "rest": rest, "half": half, "files": files, "missing": missing}
+
+
+class WarningRecords(logging.Handler):
+    """The messages of the warnings logged while it is attached (to the "tnlg" logger, say)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def refusal(call) -> str | None:
+    """The message of the ValueError or RuntimeError (CheckpointError among them) `call()` raises, or None."""
+    try:
+        call()
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    return None
