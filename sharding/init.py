@@ -95,6 +95,10 @@ class _Tensors:
             if self.slots.get(id(t)) == (id(sub), key)
         ]
 
+    def owned_by(self, module: nn.Module) -> list[int]:
+        """The tensors whose first slot is `module`'s own."""
+        return [id(t) for _, key, t in _own_tensors(module) if self.slots.get(id(t)) == (id(module), key)]
+
     def blank(self, tid: int, device: torch.device) -> torch.Tensor:
         """An uninitialized tensor like `tid` (a parameter cut by tensor slicing at its whole shape)."""
         like = self.by_id[tid]
@@ -165,6 +169,9 @@ class _Call:
     module: nn.Module
     rule: Rule
     writes: tuple[int, ...]  # ids of the tensors it writes
+    # A rule the meta probe could not run: its own tensors only, each checked to be written (a blank
+    # left as it was would be uninitialized memory handed on as a value).
+    checked: bool = False
 
 
 def _model_rule(module: nn.Module) -> Rule | None:
@@ -172,18 +179,36 @@ def _model_rule(module: nn.Module) -> Rule | None:
     return rule if callable(rule) else None
 
 
+@dataclass(frozen=True)
+class _Scope:
+    """The rule a module gets (its nearest enclosing model's) and whether that model skips the modules
+    owning nothing to initialize (custom code, or a model without _init_weights: reset_parameters)."""
+
+    rule: Rule
+    owners_only: bool
+
+
+def _scope_of(model: nn.Module, outer: _Scope | None) -> _Scope:
+    rule = _model_rule(model)
+    if rule is None:
+        return outer if outer is not None else _Scope(_reset, owners_only=True)
+    is_custom_code = getattr(model, "is_custom_code", None)
+    # Transformers skips, in custom code, the modules whose own tensors are all initialized already.
+    return _Scope(rule, owners_only=callable(is_custom_code) and bool(is_custom_code()))
+
+
 def _post_order(
-    module: nn.Module, rule: Rule, name: str = "", seen: set[int] | None = None
-) -> Iterator[tuple[str, nn.Module, Rule]]:
-    """Every module once, children first, with the rule of its nearest enclosing model, as
+    module: nn.Module, scope: _Scope, name: str = "", seen: set[int] | None = None
+) -> Iterator[tuple[str, nn.Module, _Scope]]:
+    """Every module once, children first, with the scope of its nearest enclosing model, as
     Transformers' `smart_apply` visits them (a shared module under the name it is first reached by)."""
     seen = set() if seen is None else seen
     seen.add(id(module))
     for child_name, child in module.named_children():
         if id(child) not in seen:
-            child_rule = _model_rule(child) or rule
-            yield from _post_order(child, child_rule, f"{name}.{child_name}" if name else child_name, seen)
-    yield name, module, rule
+            child_name = f"{name}.{child_name}" if name else child_name
+            yield from _post_order(child, _scope_of(child, scope), child_name, seen)
+    yield name, module, scope
 
 
 def _reset(module: nn.Module) -> None:
@@ -192,27 +217,25 @@ def _reset(module: nn.Module) -> None:
 
 def _candidate_calls(model: nn.Module, wanted: set[int]) -> Iterator[tuple[str, nn.Module, Rule]]:
     """The rule calls Transformers' `initialize_weights` makes (or `reset_parameters()` of each module
-    owning a wanted tensor, for a model without `_init_weights`)."""
-    rule = _model_rule(model)
-    is_custom_code = getattr(model, "is_custom_code", None)
-    # Transformers skips, in custom code, the modules whose own tensors are all initialized already.
-    owners_only = rule is None or (callable(is_custom_code) and is_custom_code())
-    for name, module, module_rule in _post_order(model, rule or _reset):
+    owning a wanted tensor, where no enclosing model has `_init_weights`)."""
+    for name, module, scope in _post_order(model, _scope_of(model, None)):
         owns = [t for _, _, t in _own_tensors(module) if id(t) in wanted]
-        if owners_only and not owns:
+        if scope.owners_only and not owns:
             continue
-        if rule is None and not hasattr(module, "reset_parameters"):
+        if scope.rule is _reset and not hasattr(module, "reset_parameters"):
             if any(isinstance(t, nn.Parameter) for t in owns):
                 raise ValueError(
                     f"cannot initialise {type(module).__name__} ({name or 'the model'}): it has parameters but no "
-                    "reset_parameters(), and the model has no _init_weights()"
+                    "reset_parameters(), and no enclosing model has _init_weights()"
                 )
             continue  # buffers only: refused below as written by nothing
-        yield name, module, module_rule
+        yield name, module, scope.rule
 
 
-def _probe(module: nn.Module, rule: Rule, tensors: _Tensors) -> tuple[int, ...]:
-    """The tensors `rule(module)` writes, found by running it on meta stand-ins."""
+def _probe(module: nn.Module, rule: Rule, tensors: _Tensors) -> tuple[tuple[int, ...], bool]:
+    """The tensors `rule(module)` writes, found by running it on meta stand-ins, and whether they must
+    be checked after the real call (a rule that cannot run on meta: its own tensors, as a rule
+    initializes its module's own, each checked to be written)."""
     stand_ins = {tid: tensors.blank(tid, torch.device("meta")) for tid in tensors.under(module)}
     reads = _DataReads()
     try:
@@ -225,22 +248,23 @@ def _probe(module: nn.Module, rule: Rule, tensors: _Tensors) -> tuple[int, ...]:
             rule(module)
     except _SlotReplaced:
         raise
-    except Exception as error:  # a rule that needs values cannot run on meta: give it its whole subtree
+    except Exception as error:  # a rule that needs values cannot run on meta
         logger.warning(
-            "the initializer of %s does not run on meta tensors (%s): its %d tensors are allocated together",
-            type(module).__name__, error, len(stand_ins),
+            "the initializer of %s does not run on meta tensors (%s): it is given its own tensors only, and "
+            "what it writes elsewhere is not followed",
+            type(module).__name__, error,
         )  # fmt: skip
-        return tuple(stand_ins)
-    return tuple(tid for tid, s in stand_ins.items() if s._version > 0 or id(s) in reads.ids)
+        return tuple(tensors.owned_by(module)), True
+    return tuple(tid for tid, s in stand_ins.items() if s._version > 0 or id(s) in reads.ids), False
 
 
 def _plan(model: nn.Module, tensors: _Tensors, wanted: set[int]) -> list[_Call]:
     """The calls that write a wanted tensor, each with every tensor it writes."""
     calls = []
     for name, module, rule in _candidate_calls(model, wanted):
-        writes = _probe(module, rule, tensors)
+        writes, checked = _probe(module, rule, tensors)
         if any(tid in wanted for tid in writes):
-            calls.append(_Call(name, module, rule, writes))
+            calls.append(_Call(name, module, rule, writes, checked))
     return calls
 
 
@@ -263,13 +287,34 @@ def _run(
             for tid in call.writes
         }
         device = next(iter(working.values())).device
+        if call.checked:
+            _mark_unwritten(working)
         with _installed(call.module, working, tensors), _seeded(seed, call.name, device), torch.no_grad():
             call.rule(call.module)
+        if call.checked:
+            _refuse_still_marked(call, working, tensors)
         for tid, value in working.items():
             if tid in wanted and last[tid] == index:
                 finish(tensors.by_id[tid], value.detach())
             elif tid in wanted:
                 pending[tid] = value
+
+
+def _mark_unwritten(working: Mapping[int, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for value in working.values():
+            if value.is_floating_point():
+                value.fill_(float("nan"))
+
+
+def _refuse_still_marked(call: _Call, working: Mapping[int, torch.Tensor], tensors: _Tensors) -> None:
+    """ValueError naming the floating tensors a checked call left as `_mark_unwritten` made them."""
+    left = [tensors.names[tid] for tid, v in working.items() if v.is_floating_point() and v.isnan().all()]
+    if left:
+        raise ValueError(
+            f"the initializer of {type(call.module).__name__} ({call.name or 'the model'}) does not run on meta "
+            f"tensors and leaves {left} unwritten: build the model on a real device, or initialize them in it"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- entry points

@@ -155,3 +155,43 @@ def test_a_parent_rule_writing_a_child_through_data_is_followed():
     init_weights(ordinary, SEED)
     assert torch.equal(ordinary.block.proj.weight, torch.full((4, 4), 0.5))
     assert torch.equal(ordinary.block.proj.bias, values[id(model.block.proj.bias)])
+
+
+class _Wrapper(nn.Module):
+    """A plain module around a Transformers model: the backbone brings its own _init_weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = meta_init_cases.CLASSES["llama"](meta_init_cases.CONFIGS["llama"]()).model
+        self.head = nn.Linear(64, 3)
+
+
+def test_a_sub_model_inside_a_plain_module_initializes_by_its_own_rule():
+    with torch.device("meta"):
+        model = _Wrapper()
+    values = {}
+    materialize(model, SEED, torch.device("cpu"), lambda p, v: values.__setitem__(id(p), v))
+    reference = _Wrapper()
+    assert torch.equal(values[id(model.backbone.norm.weight)], torch.ones(64))  # Llama's norm rule
+    assert torch.equal(model.backbone.rotary_emb.inv_freq, reference.backbone.rotary_emb.inv_freq)
+    assert values[id(model.head.weight)].abs().max() > 0  # the head: reset_parameters
+
+
+class _ReadsItsValue(nn.Module):
+    """A rule that reads a value (it cannot run on meta) and, on this value, writes nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(2))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if module is self and module.scale.sum().item() > 1e30:
+            module.scale.data.fill_(2.0)
+
+
+def test_a_rule_that_cannot_run_on_meta_and_leaves_a_tensor_unwritten_is_refused():
+    # It was handed on as uninitialized memory (with only a warning).
+    with torch.device("meta"):
+        model = _ReadsItsValue()
+    with pytest.raises(ValueError, match=r"does not run on meta tensors and leaves \['scale'\] unwritten"):
+        materialize(model, SEED, torch.device("cpu"), lambda p, v: None)
