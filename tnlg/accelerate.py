@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -298,6 +299,7 @@ class ZeroAccelerator(Accelerator):
                 "prepare_engine needs the ZeRO engine on (zero_config or TNLG_ZERO_* settings)"
             )
         open_engines = [engine for engine in self.engines if not engine.closed]
+        self.engines = open_engines  # a closed one (engine.close() by hand) must not stay the first
         if open_engines:
             # backward, clipping and save_state act on the one engine: a second would train unclipped and
             # go unsaved. Accelerate under DeepSpeed refuses a second model alike.
@@ -532,7 +534,14 @@ class ZeroAccelerator(Accelerator):
             if naming
             else Path(output_dir)
         )
-        self._save_engine_state(directory)
+        try:
+            self._save_engine_state(directory)
+        except Exception:
+            # A refused or failed save (agreed on every rank) leaves no checkpoint_N behind that the next
+            # save would call existing, load_state() the newest, or total_limit a checkpoint.
+            if naming and self.is_main_process:
+                shutil.rmtree(directory, ignore_errors=True)
+            raise
         if naming and self.is_main_process:
             remove_beyond_limit(root, self.project_configuration.total_limit, directory)
         self.project_configuration.iteration += 1  # as Accelerate counts its saves, named or not

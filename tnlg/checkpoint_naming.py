@@ -15,7 +15,13 @@ loses or ignores something:
   naming rule, so the directory the caller named is never written);
 - `load_state()` sets the iteration after the checkpoint it loaded, so that the next `save_state()`
   continues the numbering (Accelerate leaves the iteration where it was: after a relaunch at 0, whose
-  folder exists, so the next save is refused until the caller sets it by hand).
+  folder exists, so the next save is refused until the caller sets it by hand); `load_state(dir)` of a
+  directory named by the caller leaves the iteration as it is, as Accelerate does;
+- a save that fails removes the checkpoint_<N> folder it made (Accelerate leaves it, and the next save
+  is refused as existing).
+
+As in Accelerate, "newest" is the highest N, not the latest written: an iteration set below the
+existing numbers writes a checkpoint that total_limit may keep while load_state() loads a higher one.
 """
 
 from __future__ import annotations

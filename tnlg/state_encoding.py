@@ -1,4 +1,4 @@
-"""A state_dict as JSON plus a safetensors file, decoded to what it was: no pickles, nothing changed.
+"""A state_dict as JSON plus a safetensors file, decoded to the same structure and values: no pickles.
 
 What `register_for_checkpointing` objects and stateful data loaders hand `save_state` is any nesting of
 dicts, lists, tuples, tensors and scalars. JSON alone would change some of it without a word: it turns
@@ -12,7 +12,9 @@ object, each a JSON object with one key:
     {"__items__": [[key, value]]}    a dict with a key that is not a string (int, float, bool, None, tuple)
 
 A dict with string keys stays a JSON object, so a file written before the tuple and key markers existed
-(tensors only) decodes as it did. A value none of this holds (an open file, a set) is a `CheckpointError`
+(tensors only) decodes as it did. What comes back is plain: tensors contiguous on the CPU (not
+Parameters, no shared storage, as load_state_dict copies them), named tuples as tuples, enum keys as
+their values. A value none of this holds (an open file, a set) is a `CheckpointError`
 naming the state, raised while encoding, before anything is written.
 """
 

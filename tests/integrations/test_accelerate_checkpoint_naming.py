@@ -33,6 +33,14 @@ def _listing(directory: Path) -> list[tuple[str, int]]:
     return sorted((p.name, p.stat().st_size) for p in directory.iterdir())
 
 
+class _Unsaveable:
+    def state_dict(self):
+        return {"opened": object()}
+
+    def load_state_dict(self, state):
+        pass
+
+
 def _named_run(rank: int, world_size: int, project: str) -> dict:
     whole = train_loop(*prepared(2, **_options(f"{project}/whole")))
     root = Path(project) / "checkpoints"
@@ -49,6 +57,10 @@ def _named_run(rank: int, world_size: int, project: str) -> dict:
     accelerator.project_configuration.iteration = 2
     exists = refusal(accelerator.save_state)
     after = _listing(root / "checkpoint_2")
+    # A save refused on every rank (a state_dict JSON cannot hold) leaves no checkpoint_3 behind.
+    accelerator.project_configuration.iteration = 3
+    accelerator.register_for_checkpointing(_Unsaveable())
+    unsaveable = refusal(accelerator.save_state)
     accelerator.wait_for_everyone()
 
     accelerator, model, optimizer, loader, scheduler = prepared(2, **_options(project))
@@ -69,7 +81,7 @@ def _named_run(rank: int, world_size: int, project: str) -> dict:
         "folders": sorted(p.name for p in root.iterdir()), "files": [name for name, _ in before],
         "named": named, "exists": exists, "unchanged": before == after,
         "elsewhere": Path(f"{project}/elsewhere").exists(), "old": warnings.messages,
-        "nothing_saved": refusal(empty.load_state),
+        "nothing_saved": refusal(empty.load_state), "unsaveable": unsaveable,
     }  # fmt: skip
 
 
@@ -86,3 +98,4 @@ def test_automatic_naming_and_stateful_loaders_resume_as_accelerate_users_expect
         assert "checkpoint_2 already exists" in result["exists"] and result["unchanged"]
         assert any("holds no state of prepared data loader #0" in m for m in result["old"]), result["old"]
         assert "found no checkpoint_<N> folder" in result["nothing_saved"]
+        assert "registered for checkpointing #0 (_Unsaveable)" in result["unsaveable"]  # and no checkpoint_3

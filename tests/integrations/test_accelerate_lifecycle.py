@@ -92,7 +92,7 @@ def _plain_module_saved(directory: str) -> dict:
 
 
 @pytest.mark.slow
-def test_free_memory_starts_over_and_what_the_engine_cannot_apply_isrefusal(tmp_path):
+def test_free_memory_starts_over_and_what_the_engine_cannot_apply_is_refused(tmp_path):
     for rank, result in enumerate(run_distributed(_lifecycle, 2, str(tmp_path), timeout=600)):
         # after free_memory the second model trains and clips exactly as on a fresh accelerator
         assert result["second"] == result["fresh"] and min(result["second"]["norms"]) > 0
