@@ -226,6 +226,14 @@ class ZeroTrainer(Trainer):
         _check_batch_keys(settings, self.args, accelerator.data_parallel_size)
         _refuse_best_weights_it_cannot_load(accelerator, self.args)
         _refuse_a_full_eval_cast(self.args)
+        if self.args.auto_find_batch_size:
+            # Its retry frees the accelerator (closing the engine) and prepares the model and the old,
+            # engine-bound optimizer again: the retried run would not start from what it should.
+            raise ValueError(
+                "auto_find_batch_size=True retries training under a new engine built from the closed one's "
+                "model and optimizer: set per_device_train_batch_size (tnlg's scripts/estimate_memory.py "
+                "sizes a layout) and leave auto_find_batch_size off"
+            )
         asked = self.args.deepspeed or self.args.fsdp or self.args.fsdp_plugin_args is not None
         if asked or self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
@@ -263,6 +271,16 @@ class ZeroTrainer(Trainer):
         # Settled here, where the precision can be named as the user set it (TrainingArguments.fp16, say).
         settings = settings.with_mixed_precision(mixed_precision, _precision_setting(self.args))
         return _with_max_grad_norm(settings, max_grad_norm)
+
+    def train(self, *args: Any, **kwargs: Any):
+        # The Trainer frees the accelerator at the start of each train(), closing the first run's engine,
+        # then prepares the model and its engine-bound optimizer again: refused rather than half rebuilt.
+        if self.engine is not None:
+            raise RuntimeError(
+                "ZeroTrainer.train() was called again: the first run's engine holds the model and optimizer; "
+                "build a new ZeroTrainer (from the saved model, or resume_from_checkpoint) to train again"
+            )
+        return super().train(*args, **kwargs)
 
     @property
     def engine(self) -> ZeroEngine | None:

@@ -160,7 +160,7 @@ def _full_eval(rank: int, world_size: int, directory: str) -> dict:
 
     return {
         name: _outcome(directory, ZeroConfig(stage=2), **{name: True})
-        for name in ("bf16_full_eval", "fp16_full_eval")
+        for name in ("bf16_full_eval", "fp16_full_eval", "auto_find_batch_size")
     }
 
 
@@ -169,3 +169,29 @@ def test_a_full_eval_cast_is_refused_naming_the_setting(tmp_path):
     found = run_distributed(_full_eval, 1, str(tmp_path))[0]
     assert "bf16_full_eval=True casts the whole model" in found["bf16_full_eval"]
     assert "set fp16=True" in found["fp16_full_eval"]
+    assert "auto_find_batch_size=True retries training" in found["auto_find_batch_size"]
+
+
+def _trained_twice(rank: int, world_size: int, directory: str) -> str | None:
+    from transformers import TrainingArguments
+
+    from tests.support.trainer_cases import dataset
+    from tests.support.zero_tnlg_cases import debug_model
+    from tnlg.trainer import ZeroTrainer
+
+    args = TrainingArguments(
+        output_dir=directory, per_device_train_batch_size=2, max_steps=1, use_cpu=True, report_to=[],
+        save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = ZeroTrainer(model=debug_model(), args=args, train_dataset=dataset(1), zero_config={"stage": 2})
+    trainer.train()
+    try:
+        trainer.train()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_a_second_train_is_refused_rather_than_rebuilt_from_the_closed_engine(tmp_path):
+    found = run_distributed(_trained_twice, 1, str(tmp_path))[0]
+    assert found is not None and "ZeroTrainer.train() was called again" in found
