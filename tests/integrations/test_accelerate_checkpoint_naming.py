@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.accelerate_cases import WarningRecords, prepared, refusal, train_loop
+from tests.support.accelerate_cases import Unsaveable, WarningRecords, prepared, refusal, train_loop
 from tnlg.tools.spawn import run_distributed
 
 pytest.importorskip("torchdata", reason="Accelerate's stateful data loaders are torchdata's")
@@ -33,14 +33,6 @@ def _listing(directory: Path) -> list[tuple[str, int]]:
     return sorted((p.name, p.stat().st_size) for p in directory.iterdir())
 
 
-class _Unsaveable:
-    def state_dict(self):
-        return {"opened": object()}
-
-    def load_state_dict(self, state):
-        pass
-
-
 def _named_run(rank: int, world_size: int, project: str) -> dict:
     whole = train_loop(*prepared(2, **_options(f"{project}/whole")))
     root = Path(project) / "checkpoints"
@@ -59,7 +51,7 @@ def _named_run(rank: int, world_size: int, project: str) -> dict:
     after = _listing(root / "checkpoint_2")
     # A save refused on every rank (a state_dict JSON cannot hold) leaves no checkpoint_3 behind.
     accelerator.project_configuration.iteration = 3
-    accelerator.register_for_checkpointing(_Unsaveable())
+    accelerator.register_for_checkpointing(Unsaveable())
     unsaveable = refusal(accelerator.save_state)
     accelerator.wait_for_everyone()
 
@@ -98,4 +90,4 @@ def test_automatic_naming_and_stateful_loaders_resume_as_accelerate_users_expect
         assert "checkpoint_2 already exists" in result["exists"] and result["unchanged"]
         assert any("holds no state of prepared data loader #0" in m for m in result["old"]), result["old"]
         assert "found no checkpoint_<N> folder" in result["nothing_saved"]
-        assert "registered for checkpointing #0 (_Unsaveable)" in result["unsaveable"]  # and no checkpoint_3
+        assert "registered for checkpointing #0 (Unsaveable)" in result["unsaveable"]  # and no checkpoint_3

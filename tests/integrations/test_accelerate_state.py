@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.accelerate_cases import WarningRecords, prepared, train_loop
+from tests.support.accelerate_cases import Unsaveable, WarningRecords, prepared, train_loop
 from tests.support.zero_tnlg_cases import debug_model
 from tnlg.sharding import ZeroConfig
 from tnlg.sharding.checkpoint import CheckpointError
@@ -97,14 +97,6 @@ class _Counter:
         self.count = state["count"]
 
 
-class _Unsaveable:
-    def state_dict(self):
-        return {"opened": object()}
-
-    def load_state_dict(self, state):
-        pass
-
-
 def _registered(rank: int, world_size: int, directory: str) -> dict:
     accelerator, *_ = prepared(2)
     torch.manual_seed(0)
@@ -117,7 +109,7 @@ def _registered(rank: int, world_size: int, directory: str) -> dict:
     counter.count = 0
     accelerator.load_state(f"{directory}/good")
     restored = all(torch.equal(ema.state_dict()[name], tensor) for name, tensor in saved.items())
-    accelerator.register_for_checkpointing(_Unsaveable())
+    accelerator.register_for_checkpointing(Unsaveable())
     try:
         accelerator.save_state(f"{directory}/bad")
         refused = None
@@ -139,7 +131,7 @@ def test_registered_objects_with_tensors_round_trip_and_an_unsaveable_one_fails_
         assert result["restored"]
         assert {"custom-0.json", "custom-0.safetensors", "custom-1.json"} <= set(result["good"])
         assert "custom-1.safetensors" not in result["good"]  # a JSON-only state needs no tensor file
-        assert "object registered for checkpointing #2 (_Unsaveable)" in result["refused"]
+        assert "object registered for checkpointing #2 (Unsaveable)" in result["refused"]
         assert result["bad"] == []  # refused before the engine or any state file was written
 
 

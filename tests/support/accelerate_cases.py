@@ -132,3 +132,13 @@ def refusal(call) -> str | None:
     except (ValueError, RuntimeError) as error:
         return str(error)
     return None
+
+
+class Unsaveable:
+    """An object registered for checkpointing whose state_dict neither JSON nor safetensors can hold."""
+
+    def state_dict(self):
+        return {"opened": object()}
+
+    def load_state_dict(self, state):
+        pass
