@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,3 +42,16 @@ def exit_on_rank_one(rank: int, world_size: int) -> int:
     if rank == 1:
         os._exit(3)  # no traceback, no report: as a crash in C++ or a kill would end it
     return rank  # no collective: rank 0 reports, and the harness waits on rank 1 alone
+
+
+def read_the_store_after_rank_zero_returned(rank: int, world_size: int) -> str:
+    """Rank 0 returns at once; rank 1 reads the store rank 0 hosts a second later, as a rank still
+    building a process group does (gloo's groups are set up through it)."""
+    store = dist.TCPStore(
+        "127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=20)
+    )
+    if rank == 0:
+        store.set("left by rank 0", "still readable")
+        return "returned"
+    time.sleep(1.0)
+    return store.get("left by rank 0").decode()

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.spawn_cases import exit_on_rank_one, raise_on_rank_one, rank_view
+from tests.support.spawn_cases import (
+    exit_on_rank_one,
+    raise_on_rank_one,
+    rank_view,
+    read_the_store_after_rank_zero_returned,
+)
 from tnlg.tools.spawn import RankFailed, run_distributed
 
 
@@ -48,6 +53,11 @@ def test_a_function_ranks_cannot_import_or_an_unknown_start_method_is_refused_be
 def test_a_rank_that_raises_fails_the_run_with_its_traceback_and_rank():
     with pytest.raises(RankFailed, match=r"(?s)failed on rank 1 of 2.*ValueError: rank one refuses"):
         run_distributed(raise_on_rank_one, 2)
+
+
+def test_a_rank_that_returns_first_keeps_the_store_up_for_the_others():
+    # Without the wait, rank 0's exit closed the store and rank 1 failed with "Connection reset by peer".
+    assert run_distributed(read_the_store_after_rank_zero_returned, 2) == ["returned", "still readable"]
 
 
 def test_a_rank_that_dies_without_reporting_fails_the_run_with_its_exit_code():

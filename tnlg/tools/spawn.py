@@ -15,6 +15,7 @@ of the functions a test suite runs take. See `start_rank_server` for what a fork
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import io
@@ -109,6 +110,17 @@ def _resolve(reference: tuple[str, str]) -> Callable[..., Any]:
     return found
 
 
+def _wait_for_the_other_ranks() -> None:
+    """Rank 0 hosts the store every rank reads while it builds a process group: a rank that returns
+    first must not take the store with it while another is still reading it (the other then fails
+    with "Connection reset by peer", naming nothing of the test). Its result is already sent, so a
+    barrier a failed rank never reaches does not hide that rank's error."""
+    if not dist.is_initialized():  # the function may have ended it (Accelerator.end_training does)
+        return
+    with contextlib.suppress(RuntimeError):  # a rank that failed or ended its group: its report says why
+        dist.barrier()
+
+
 def _worker(function, rank, world_size, port, collective_timeout, results, args, environ):
     # A forked rank inherits the fork server's environment; the caller's is the one a rank must see,
     # from the import of the function's module on (which is why the function comes by name).
@@ -139,6 +151,7 @@ def _worker(function, rank, world_size, port, collective_timeout, results, args,
             payload = io.BytesIO()
             torch.save(fn(rank, world_size, *args), payload)
             results.put((rank, "ok", payload.getvalue()))
+            _wait_for_the_other_ranks()
         finally:
             if dist.is_initialized():  # the function may have ended it (Accelerator.end_training does)
                 dist.destroy_process_group()
