@@ -225,11 +225,9 @@ class ZeroAccelerator(Accelerator):
             refuse_another_state_precision(self.mixed_precision, mixed_precision)
         self.parallel_groups = None
         if self.parallel_dims is not None:
-            # The (pipeline, data, tensor) grid, under Accelerate's mesh names: its data loaders then give a
-            # tensor group the same batches (see [Note: parallel layout] in sharding/parallel.py).
-            self.parallel_groups = build_groups(self.parallel_dims, self.device.type)
-            self.parallel_dims = self.parallel_groups.dims
-            self.state.device_mesh = self.parallel_groups.mesh
+            # The data degree, known before any group is built: the batch keys below are checked against it,
+            # and a refusal must come before a collective (a rank that raises mid-build strands the others).
+            self.parallel_dims = self.parallel_dims.resolve(self.num_processes)
         if self.zero_settings is not None:
             self.scaler = (
                 None  # the engine scales fp16 losses itself; a GradScaler on top would be dead state
@@ -238,6 +236,12 @@ class ZeroAccelerator(Accelerator):
             self.zero_settings, self.gradient_accumulation_steps = accumulation_taken_over(
                 self.zero_settings, accumulation, self.gradient_accumulation_steps, self.data_parallel_size
             )
+        if self.parallel_dims is not None:
+            # The (pipeline, data, tensor) grid, under Accelerate's mesh names: its data loaders then give a
+            # tensor group the same batches (see [Note: parallel layout] in sharding/parallel.py).
+            self.parallel_groups = build_groups(self.parallel_dims, self.device.type)
+            self.parallel_dims = self.parallel_groups.dims
+            self.state.device_mesh = self.parallel_groups.mesh
         self.engines: list[ZeroEngine] = []
         # The engine compiles the blocks itself: prepare() never reaches Accelerate's whole-model compile.
         self.compile_config = None
