@@ -261,7 +261,14 @@ class TNLGPreTrainedModel(PreTrainedModel):
         changed since loads with a warning naming it, `verify_checksums="strict"` refuses it, and
         `verify_checksums=False` skips the hashing ([Note: checksums] in loading.py). A directory whose
         config names another model type (a GPT-2 one) is refused in one line naming the way in.
+
+        Hub kernels stay off unless asked for (`use_kernels=True` is passed on): Transformers 5.25
+        turned them on by default, which on CUDA swaps the MLP's GeLU for a kernel downloaded from
+        the Hub while the model loads, inference mode only. tnlg loads without network access and
+        brings its own fused kernels (`TNLGConfig.fused_kernels`); the releases before 5.25 default
+        to off, so this keeps one behaviour across the supported range.
         """
+        kwargs.setdefault("use_kernels", False)
         want_info = kwargs.pop("output_loading_info", False)
         ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
         state_dict = kwargs.get("state_dict")

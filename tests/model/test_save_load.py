@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 
@@ -161,3 +162,25 @@ def test_untied_weights_under_a_tied_config_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointMismatchError, match=r"lm_head\.weight differs"):
         TNLGForCausalLM.from_pretrained(tmp_path)
+
+
+def test_hub_kernels_stay_off_unless_asked_for(saved, monkeypatch):
+    """Transformers 5.25 turned `use_kernels` on by default (a Hub download on CUDA at load); the
+    model passes False unless the caller asks, and passes the caller's choice on."""
+    from transformers import PreTrainedModel
+
+    asked = []
+    load = PreTrainedModel.from_pretrained.__func__
+
+    def recording(cls, *args, **kwargs):
+        asked.append(kwargs.get("use_kernels"))
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(recording))
+    model = AutoModelForCausalLM.from_pretrained(saved)
+    assert asked == [False] and not model.use_kernels
+    # On this CPU machine the `kernels` package is absent (or has no CPU kernel): asking for them
+    # reaches Transformers, which answers for itself.
+    with contextlib.suppress(ValueError, ImportError):
+        TNLGForCausalLM.from_pretrained(saved, use_kernels=True)
+    assert asked[1:] == [True]
