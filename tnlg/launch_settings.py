@@ -261,7 +261,7 @@ def parallel_dims_for(parallel: ParallelDims | None, config: Any) -> ParallelDim
     """The engine's layout from `parallel=` or Accelerate's `ParallelismConfig` (also the one its launcher's
     `--use_parallelism_config` environment describes); None for plain data parallelism. Both given, or a
     context / sequence parallel degree (which the engine does not apply), is a ValueError. Pipeline stages
-    come from `parallel=` only: Accelerate's ParallelismConfig has no pipeline dimension (1.15)."""
+    come from `parallel=` only: Accelerate's ParallelismConfig has no pipeline dimension (1.15, 1.16)."""
     if config is None and os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
         from accelerate.parallelism_config import ParallelismConfig
 
