@@ -263,10 +263,11 @@ class TNLGPreTrainedModel(PreTrainedModel):
         config names another model type (a GPT-2 one) is refused in one line naming the way in.
 
         Hub kernels stay off unless asked for (`use_kernels=True` is passed on): Transformers 5.25
-        turned them on by default, which on CUDA swaps the MLP's GeLU for a kernel downloaded from
-        the Hub while the model loads, inference mode only. tnlg loads without network access and
-        brings its own fused kernels (`TNLGConfig.fused_kernels`); the releases before 5.25 default
-        to off, so this keeps one behaviour across the supported range.
+        turned them on by default, and its default mapping replaces the `gelu_new` module TNLG's MLP
+        calls when its own fused kernel is off with a kernel fetched from the Hub (CUDA, ROCm and
+        XPU, inference mode). tnlg runs without network access and brings its own fused kernels
+        (`TNLGConfig.fused_kernels`); the releases before 5.25 default to off, so this keeps one
+        behaviour across the supported range.
         """
         kwargs.setdefault("use_kernels", False)
         want_info = kwargs.pop("output_loading_info", False)
