@@ -36,6 +36,10 @@ multiplies them; an `optimizer` section, or a `scheduler` section next to a sche
 is an error naming both (the objects passed to `prepare` are the ones trained with). A `scheduler`
 section alone is built by the engine over your optimizer and stepped with it.
 
+Checkpoints (`save_state`) and saved models (`save_model`) go to storage every node shares:
+`ProjectConfiguration(save_on_each_node=True)` with processes on more than one node is refused (see
+tnlg/shared_storage.py); on one node it changes nothing and is accepted.
+
 torch.compile: Accelerate's `dynamo_backend` / `dynamo_plugin` (or `accelerate launch --dynamo_backend
 inductor`) compiles each block of the model inside the engine, never the whole model (see [Note:
 compiled blocks] in tnlg/sharding/compile.py); `compile_config=CompileConfig(...)` says the same
@@ -82,6 +86,7 @@ from tnlg.sharding.collectives import Collectives
 from tnlg.sharding.consolidate import write_shards
 from tnlg.sharding.deepspeed import engine_settings
 from tnlg.sharding.parallel import build_groups
+from tnlg.shared_storage import count_nodes, refuse_node_local_saves
 from tnlg.state_files import (
     custom_state_files,
     dataloader_state_files,
@@ -221,8 +226,11 @@ class ZeroAccelerator(Accelerator):
             raise ValueError("parallel= needs the ZeRO engine on (zero_config or TNLG_ZERO_* settings)")
         with accelerate_parallelism_hidden(self.parallel_dims is not None):
             super().__init__(*args, **kwargs)
+        self.num_nodes = 1
         if self.zero_config is not None:
             refuse_another_state_precision(self.mixed_precision, mixed_precision)
+            self.num_nodes = count_nodes()  # collective: every rank, before any group is built
+            self._refuse_node_local_saves()
         self.parallel_groups = None
         if self.parallel_dims is not None:
             # The data degree, known before any group is built: the batch keys below are checked against it,
@@ -519,6 +527,7 @@ class ZeroAccelerator(Accelerator):
         Accelerate's DeepSpeed, no weights: the engine writes its own shards."""
         if not self.engines:
             return super().save_state(output_dir, safe_serialization, **kwargs)
+        self._refuse_node_local_saves()
         naming = self.project_configuration.automatic_checkpoint_naming
         if naming and output_dir is not None:
             raise ValueError(
@@ -641,6 +650,14 @@ class ZeroAccelerator(Accelerator):
                 self.step,
             )
 
+    def _refuse_node_local_saves(self) -> None:
+        """Accelerate's save_on_each_node asks each node's first process to write the shared files to storage
+        only that node reads, which tnlg's checkpoints do not implement (see tnlg/shared_storage.py)."""
+        if self.project_configuration.save_on_each_node:
+            refuse_node_local_saves(
+                "ProjectConfiguration(save_on_each_node=True)", self.num_nodes, "save_on_each_node=False"
+            )
+
     def _on_every_rank(self, work: Callable[[], T]) -> T:
         """`work()` on this process, then every process agrees it succeeded everywhere (over the world, not
         the engine's data group): a failure on one raises on all, so none is left waiting in a collective."""
@@ -668,6 +685,7 @@ class ZeroAccelerator(Accelerator):
         engine = self._engine_of(model)
         if engine is None:
             return super().save_model(model, save_directory, max_shard_size, safe_serialization)
+        self._refuse_node_local_saves()
         if not safe_serialization:
             raise ValueError(
                 "save_model(safe_serialization=False) asks for pickled .bin files: a ZeRO engine's model is "

@@ -26,7 +26,9 @@ neither, it is a plain `Trainer`. What the engine changes:
   `checkpoint-N/engine/`, as in run checkpoints and `save_state`) and the scheduler as JSON
   (`scheduler.json`, see tnlg.state_files) next to the Trainer's own files; resuming restores them
   exactly, and `load_best_model_at_end` restores the best checkpoint's shards. A checkpoint written
-  with the old `zero/` directory is refused with the rename that makes it load.
+  with the old `zero/` directory is refused with the rename that makes it load. Checkpoints go to storage
+  every node shares: `save_on_each_node=True` with processes on more than one node is refused when the
+  trainer is built (see tnlg/shared_storage.py).
 - `save_only_model=True` checkpoints hold the consolidated weights alone: `load_best_model_at_end` loads
   them into the engine as the plain Trainer loads them into its model (exact: they are the fp32 master
   weights; stages 0-2 without tensor slicing or pipeline stages, whose engines take a full state dict;
@@ -61,6 +63,7 @@ from tnlg.sharding import DeepSpeedConfig, ZeroConfig, ZeroEngine
 from tnlg.sharding.checkpoint import engine_directory
 from tnlg.sharding.deepspeed import TrainingConfig, engine_settings
 from tnlg.sharding.deepspeed.zero_checkpoint import is_deepspeed_checkpoint
+from tnlg.shared_storage import refuse_node_local_saves
 from tnlg.state_files import read_scheduler_states, write_scheduler_states
 
 logger = logging.getLogger(__name__)
@@ -225,6 +228,10 @@ class ZeroTrainer(Trainer):
         )
         _check_batch_keys(settings, self.args, accelerator.data_parallel_size)
         _refuse_best_weights_it_cannot_load(accelerator, self.args)
+        if self.args.save_on_each_node:  # the engine's checkpoint-N/engine needs storage every node shares
+            refuse_node_local_saves(
+                "TrainingArguments(save_on_each_node=True)", accelerator.num_nodes, "save_on_each_node=False"
+            )
         _refuse_a_full_eval_cast(self.args)
         if self.args.auto_find_batch_size:
             # Its retry frees the accelerator (closing the engine) and prepares the model and the old,

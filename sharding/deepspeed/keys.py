@@ -181,7 +181,11 @@ TOP_RULES = {
     "autotuning": KeyRule("read by the `deepspeed --autotuning` launcher, not by training"),
     "zero_force_ds_cpu_optimizer": KeyRule("a check: an offloaded Adam / AdamW always steps through CPUAdam"),
     "dataloader_drop_last": KeyRule("applies to data loaders DeepSpeed builds; the engine builds none"),
-    "checkpoint": KeyRule("DeepSpeed's checkpoint I/O options: tnlg writes its own format"),
+    "checkpoint": KeyRule(
+        "DeepSpeed's checkpoint I/O options: tnlg writes its own format, once, to storage every node "
+        "shares (each rank its shard, one process the manifest): node-local storage is not implemented",
+        **disabled_by("use_node_local_storage"),
+    ),
     "aio": KeyRule("NVMe I/O (tnlg offloads to CPU memory only)"),
     "activation_checkpointing": KeyRule(
         "configures deepspeed.checkpointing, which tnlg models do not call "

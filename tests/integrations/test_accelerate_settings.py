@@ -150,3 +150,52 @@ def test_the_configured_clipping_governs_clip_grad_norm(tmp_path):
     assert found["same"] == pytest.approx(0.1, rel=1e-4)
     assert "max_norm=1000.0" in found["other"] and "gradient_clipping 0.1" in found["other"]
     assert found["unconfigured"] == pytest.approx(0.5, rel=1e-4)  # no configured clipping: the call's
+
+
+def _save_on_each_node(rank: int, world_size: int, directory: str, nodes: int) -> dict:
+    """What ZeroAccelerator does with save_on_each_node when the 2 processes are on `nodes` nodes (2: each
+    is its node's first process, as the launcher's LOCAL_RANK says on two machines)."""
+    import os
+    from pathlib import Path
+
+    import torch
+    from accelerate.utils import ProjectConfiguration
+
+    os.environ["LOCAL_RANK"] = "0" if nodes == 2 else str(rank)
+    found = {}
+    asked = ProjectConfiguration(save_on_each_node=True)
+    found["built"] = _error(
+        lambda: _fresh_accelerator(zero_config={"zero_optimization": {"stage": 2}}, project_config=asked)
+    )
+    accelerator = _fresh_accelerator(zero_config={"zero_optimization": {"stage": 2}})
+    found["nodes"] = accelerator.num_nodes
+    model = torch.nn.Linear(4, 4)
+    engine, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    accelerator.project_configuration.save_on_each_node = True  # set after the accelerator was built
+    checkpoint, saved = Path(directory) / "checkpoint", Path(directory) / "model"
+    found["save_state"] = _error(lambda: accelerator.save_state(checkpoint))
+    found["save_model"] = _error(lambda: accelerator.save_model(engine, saved))
+    accelerator.wait_for_everyone()
+    found["written"] = sorted(path.name for path in Path(directory).iterdir())
+    return found
+
+
+@pytest.mark.slow
+def test_save_on_each_node_is_refused_on_several_nodes_and_kept_on_one(tmp_path):
+    # The engine's checkpoint is written once, for storage every node shares: ignored, the setting would
+    # leave the second node without the manifest, and the run could not resume there.
+    (tmp_path / "two").mkdir()
+    (tmp_path / "one").mkdir()
+    two = run_distributed(_save_on_each_node, 2, str(tmp_path / "two"), 2)
+    for found in two:
+        assert found["nodes"] == 2
+        for refused in (found["built"], found["save_state"], found["save_model"]):
+            assert "ProjectConfiguration(save_on_each_node=True) with processes on 2 nodes" in refused
+            assert "node-local checkpoints are not implemented" in refused
+        assert found["written"] == []  # refused before anything was written
+    one = run_distributed(_save_on_each_node, 2, str(tmp_path / "one"), 1)
+    for found in one:
+        assert found["nodes"] == 1
+        assert found["built"] == "no error"
+        assert found["save_state"] == found["save_model"] == "no error"
+        assert found["written"] == ["checkpoint", "model"]

@@ -195,3 +195,27 @@ def _trained_twice(rank: int, world_size: int, directory: str) -> str | None:
 def test_a_second_train_is_refused_rather_than_rebuilt_from_the_closed_engine(tmp_path):
     found = run_distributed(_trained_twice, 1, str(tmp_path))[0]
     assert found is not None and "ZeroTrainer.train() was called again" in found
+
+
+def _save_on_each_node(rank: int, world_size: int, directory: str, nodes: int) -> str | object:
+    import os
+
+    from accelerate.state import AcceleratorState
+
+    from tnlg.sharding import ZeroConfig
+
+    # Two nodes: each of the 2 processes is its machine's first, as the launcher's LOCAL_RANK says.
+    os.environ["LOCAL_RANK"] = "0" if nodes == 2 else str(rank)
+    AcceleratorState._reset_state(True)
+    found = _outcome(directory, ZeroConfig(stage=2), save_on_each_node=True)
+    return found if isinstance(found, str) else type(found).__name__
+
+
+@pytest.mark.slow
+def test_save_on_each_node_on_two_nodes_is_refused_when_the_trainer_is_built(tmp_path):
+    # checkpoint-N/engine is written once, for storage every node shares; the second node would lack it.
+    for found in run_distributed(_save_on_each_node, 2, str(tmp_path), 2):
+        assert "TrainingArguments(save_on_each_node=True) with processes on 2 nodes" in found
+        assert "set save_on_each_node=False" in found
+    # On one node the shared files are already on the only storage there is.
+    assert run_distributed(_save_on_each_node, 2, str(tmp_path), 1) == ["ZeroAccelerator"] * 2
