@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .timeouts import world_timeout
+
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -91,7 +93,9 @@ class Collectives:
         if not self.active or self.owns_gather_group or self.world_size != dist.get_world_size():
             return
         backend = dist.get_backend(self.group) if self.group is not None else None  # None: the world's
-        self.gather_group = dist.new_group(list(range(self.world_size)), backend=backend)
+        self.gather_group = dist.new_group(
+            list(range(self.world_size)), backend=backend, timeout=world_timeout()
+        )  # the world's timeout: [Note: group timeouts] in timeouts.py
         self.owns_gather_group = True
 
     def close(self) -> None:

@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .timeouts import adopt_world_timeout, world_timeout
+
 if TYPE_CHECKING:
     from tnlg.modeling.tensor_parallel import TensorSlice
 
@@ -130,9 +132,10 @@ def build_groups(dims: ParallelDims, device_type: str | None = None) -> Parallel
     dims = dims.resolve(dist.get_world_size())
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" and torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(
-        device_type, dims.shape, mesh_dim_names=tuple(MESH_NAMES[d] for d in MESH_DIMENSIONS)
-    )
+    names = tuple(MESH_NAMES[d] for d in MESH_DIMENSIONS)
+    mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=names)
+    for name in names:  # [Note: group timeouts] in timeouts.py
+        adopt_world_timeout(mesh.get_group(name))
     return ParallelGroups(dims, mesh)
 
 
@@ -224,7 +227,7 @@ def shared_parameter_groups(
         holders = sorted({stage % degree for stage in stages})
         for column in range(ranks.shape[1]):
             members = [int(ranks[row, column]) for row in holders]
-            group = dist.new_group(members)
+            group = dist.new_group(members, timeout=world_timeout())
             if me in members:
                 result[name] = group
     return result
