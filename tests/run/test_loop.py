@@ -93,3 +93,34 @@ def test_an_overflow_skipped_step_holds_the_schedule_back(cache, tmp_path, pipel
         lrs, scales = [m["lr"] for m in result["metrics"]], [m["loss_scale"] for m in result["metrics"]]
         assert result["skipped"] and scales == [2.0**39, 2.0**38, 2.0**37]  # every step overflowed
         assert result["schedule_steps"] == 0 and lrs == [lrs[0]] * 3
+
+
+def _with_collective_timeout(rank, world_size, cache, output, minutes):
+    """Whether the debug run builds with train.collective_timeout_minutes `minutes` in a rank whose
+    process group the harness made (with a 60 s timeout) before the run: the error if not."""
+    try:
+        run = build_debug_run(
+            cache,
+            [
+                "--train.output_dir",
+                output,
+                "--logging.trackers",
+                "[]",
+                "--train.collective_timeout_minutes",
+                minutes,
+            ],
+        )
+    except ValueError as error:
+        return str(error)
+    run.engine.close()
+    return "built"
+
+
+def test_a_collective_timeout_the_process_group_does_not_have_is_refused(cache, tmp_path):
+    # Accelerate gives the timeout only to a process group it creates; one created before the run keeps its
+    # own, so the setting would go unapplied: the run refuses it then, and builds when the two agree.
+    (refused,) = run_distributed(_with_collective_timeout, 1, str(cache), str(tmp_path / "a"), "7")
+    assert "train.collective_timeout_minutes 7: the process group was created before the run" in refused
+    assert "a timeout of 1 minutes" in refused
+    (built,) = run_distributed(_with_collective_timeout, 1, str(cache), str(tmp_path / "b"), "1")
+    assert built == "built"

@@ -40,11 +40,16 @@ def launch_command(output: Path, launch_flags: list[str], *overrides: str, proce
 
 
 def launch(output: Path, cache: Path, *overrides: str) -> list[float]:
+    return launched(output, cache, *overrides)[0]
+
+
+def launched(output: Path, cache: Path, *overrides: str) -> tuple[list[float], str]:
+    """The run's losses and what its processes wrote to stderr (the log)."""
     environment = {**os.environ, "TNLG_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
     command = launch_command(output, ["--num_machines", "1"], *overrides)
     result = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads((output / "loss_curve.json").read_text())["losses"]
+    return json.loads((output / "loss_curve.json").read_text())["losses"], result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +122,11 @@ def test_a_run_with_export_gpt2_leaves_a_gpt2_twin_of_its_model(cache, tmp_path)
 def test_a_resumed_run_continues_with_the_same_losses(run, cache, tmp_path):
     _, losses = run
     launch(tmp_path, cache, "--train.max_steps", "4")
-    resumed = launch(tmp_path, cache, "--resume", "latest")
+    # A resume may give the collectives another timeout: the launch's process group, made by Accelerate
+    # from the run's setting, has it (read back from the group and logged; gloo's default is 30 minutes).
+    resumed, log = launched(tmp_path, cache, "--resume", "latest", "--train.collective_timeout_minutes", "7")
     assert resumed == pytest.approx(losses, rel=1e-6)  # the curve covers the whole run, steps 1-4 restored
+    assert log.count("a collective waits up to 7 minutes on every process group") == 2  # each rank
 
 
 @pytest.mark.slow

@@ -149,6 +149,7 @@ RESUME_MAY_CHANGE = (
     "train.resume_fallback",
     "train.overwrite",
     "train.export_gpt2",
+    "train.collective_timeout_minutes",
     "model.activation_checkpointing.",
     "model.compile.",
     "data.validation_sources",

@@ -282,6 +282,11 @@ class TrainSection:
     # Also write the final model as a plain GPT2LMHeadModel directory (model-gpt2/, see
     # tnlg.tools.convert.to_gpt2): what lm-eval, vLLM, TGI and llama.cpp load with no tnlg installed.
     export_gpt2: bool = False
+    # How long a collective may wait for the other ranks before the run is aborted (the world process
+    # group's timeout, which every group the engine opens takes too): raise it when one rank can be much
+    # later than the others, as while a large checkpoint is written or a first compiled step compiles.
+    # None: torch's default for the backend (10 minutes on NCCL, 30 on gloo).
+    collective_timeout_minutes: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -304,6 +309,11 @@ class TrainSection:
         choose("train.on_nonfinite_loss", self.on_nonfinite_loss, ("stop", "skip"))
         if self.peak_flops is not None:
             require("train.peak_flops", self.peak_flops, self.peak_flops > 0, "> 0")
+        if self.collective_timeout_minutes is not None:
+            minutes = self.collective_timeout_minutes
+            require(
+                "train.collective_timeout_minutes", minutes, math.isfinite(minutes) and minutes > 0, "> 0"
+            )
 
 
 @dataclass(kw_only=True)

@@ -11,6 +11,7 @@ how. Nothing here knows whether the batches are packed corpus rows or task examp
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import math
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import ProjectConfiguration
+from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
@@ -50,6 +51,7 @@ from tnlg.run.output import check_output_directory, remove_run_files
 from tnlg.sharding import DeepSpeedConfig, ZeroEngine
 from tnlg.sharding.checkpoint import CheckpointError
 from tnlg.sharding.json_files import read_json, write_json_atomic
+from tnlg.sharding.timeouts import world_timeout
 from tnlg.tools.convert.outputs import staged_output
 from tnlg.tools.convert.to_gpt2 import export_gpt2
 
@@ -124,7 +126,9 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
         compile_config=config.model.compile.settings(output),
         log_with=tracker_names(config.logging.trackers) or None,
         project_config=ProjectConfiguration(project_dir=str(output), logging_dir=str(output / "logs")),
+        kwargs_handlers=_process_group_settings(train_section.collective_timeout_minutes),
     )
+    _check_collective_timeout(train_section.collective_timeout_minutes)
     check_ranks_run_the_same_job(config.to_dict())
     tokenizer = run_tokenizer(job.tokenizer, config.model)
     architecture = model_config(config.model, tokenizer, job.seq_len)
@@ -161,6 +165,31 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
         run.stream.load_state_dict(restored["data"])
         logger.info("resumed from %s at step %d", restored["path"], run.start_step)
     return run
+
+
+def _process_group_settings(timeout_minutes: float | None) -> list[InitProcessGroupKwargs]:
+    """Accelerate's handler giving the world process group train.collective_timeout_minutes (none: the
+    backend's default)."""
+    if timeout_minutes is None:
+        return []
+    return [InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=timeout_minutes))]
+
+
+def _check_collective_timeout(timeout_minutes: float | None) -> None:
+    """That the world waits train.collective_timeout_minutes: Accelerate applies its handler only when it
+    creates the process group, and one created before the run (by the caller) keeps its own timeout."""
+    if timeout_minutes is None:
+        return
+    found = world_timeout()
+    if found is None:  # no process group (one process), or a torch hiding its timeout (world_timeout warns)
+        return
+    if abs(found.total_seconds() - timeout_minutes * 60) > 1e-3:
+        raise ValueError(
+            f"train.collective_timeout_minutes {timeout_minutes:g}: the process group was created before the "
+            f"run, with a timeout of {found.total_seconds() / 60:g} minutes, which the run cannot change; "
+            "give the timeout where the process group is created, or leave the setting out"
+        )
+    logger.info("a collective waits up to %g minutes on every process group", found.total_seconds() / 60)
 
 
 def check_deepspeed_micro_batch(settings: DeepSpeedConfig, micro_batch_size: int) -> None:
