@@ -51,13 +51,16 @@ def disabled() -> dict[str, Any]:
     return disabled_by("enabled")
 
 
-def disabled_by(switch: str) -> dict[str, Any]:
-    """A `KeyRule`'s arguments accepting a section only when it is absent, null or its `switch` is off."""
+def disabled_by(*switches: str) -> dict[str, Any]:
+    """A `KeyRule`'s arguments accepting a section only when it is absent, null or each of its `switches`
+    is off."""
 
     def accepts(value: Any) -> bool:
-        return value is None or (isinstance(value, Mapping) and value.get(switch, False) in (False, "auto"))
+        return value is None or (
+            isinstance(value, Mapping) and all(value.get(s, False) in (False, "auto") for s in switches)
+        )
 
-    return {"accepts": accepts, "expected": f'{{"{switch}": false}}'}
+    return {"accepts": accepts, "expected": "{" + ", ".join(f'"{s}": false' for s in switches) + "}"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -178,13 +181,18 @@ TOP_RULES = {
     "comms_logger": KeyRule("communication logs (engine.comm_stats() counts collectives)"),
     "flops_profiler": KeyRule("profiler output"),
     "timers": KeyRule("timer logs"),
-    "autotuning": KeyRule("read by the `deepspeed --autotuning` launcher, not by training"),
+    "autotuning": KeyRule(
+        "DeepSpeed's autotuner: enabled, the engine profiles its first steps, writes the autotuning metric "
+        "and exits (one experiment of `deepspeed --autotuning`); tnlg does not autotune",
+        **disabled(),
+    ),
     "zero_force_ds_cpu_optimizer": KeyRule("a check: an offloaded Adam / AdamW always steps through CPUAdam"),
     "dataloader_drop_last": KeyRule("applies to data loaders DeepSpeed builds; the engine builds none"),
     "checkpoint": KeyRule(
         "DeepSpeed's checkpoint I/O options: tnlg writes its own format, once, to storage every node "
-        "shares (each rank its shard, one process the manifest): node-local storage is not implemented",
-        **disabled_by("use_node_local_storage"),
+        "shares (each rank its shard, one process the manifest): node-local storage is not implemented; "
+        "it reads DeepSpeed's ZeRO checkpoints through their `latest` tag, not the universal format",
+        **disabled_by("use_node_local_storage", "load_universal"),
     ),
     "aio": KeyRule("NVMe I/O (tnlg offloads to CPU memory only)"),
     "activation_checkpointing": KeyRule(

@@ -139,6 +139,8 @@ def test_keys_safe_to_ignore_are_logged_once_at_info_with_the_reason(caplog):
             {"checkpoint": {"use_node_local_storage": True, "tag_validation": "Warn"}},
             'checkpoint = {"use_node_local_storage": true, .*node-local storage is not implemented',
         ),
+        ({"checkpoint": {"load_universal": True}}, 'not the universal format.*"load_universal": false'),
+        ({"autotuning": {"enabled": True}}, "writes the autotuning metric and exits"),
         ({"bf16": {"enabled": True, "check_grad_overflow": False}}, "bf16.check_grad_overflow = false"),
         ({"fp16": {"enabled": True, "consecutive_hysteresis": True}}, "fp16.consecutive_hysteresis = true"),
         (adamw(max_grad_norm=1.0), "optimizer.params.max_grad_norm = 1.0 .*gradient_clipping\\); remove it"),
@@ -171,6 +173,7 @@ def test_what_tnlg_does_not_do_is_refused_naming_the_key_and_the_value_to_use(ds
         {"amp": {"enabled": False, "opt_level": "O1"}, "elasticity": None},
         {"compile": {"deepcompile": False, "offload_activation": False}},
         {"checkpoint": {"use_node_local_storage": False, "tag_validation": "Fail", "load_universal": False}},
+        {"autotuning": {"enabled": False, "fast": True}},
         zero(stage=2, load_from_fp32_weights=True, offload_optimizer={"device": "cpu", "ratio": 1}),
     ],
 )
