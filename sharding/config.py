@@ -31,7 +31,8 @@ class ZeroConfig:
         start at `initial_loss_scale`; an overflow skips the step and halves the scale once
         `hysteresis` overflows have been absorbed (never below `min_loss_scale`: an overflow that would
         halve it there raises `LossScaleError`, as DeepSpeed's scaler does); `loss_scale_window`
-        overflow-free steps double it.
+        overflow-free steps double it (torch's GradScaler count; DeepSpeed's first doubling after an
+        overflow, or at the start, comes one step later: see tnlg.sharding.loss_scaler).
     static_loss_scale: a fixed fp16 loss scale instead of the dynamic one.
     gradient_clipping: clip the global gradient norm to this value; 0 disables clipping.
     reduce_bucket_size: elements of gradients reduced in one collective: consecutive parameters

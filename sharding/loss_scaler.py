@@ -12,9 +12,13 @@ class LossScaleError(FloatingPointError):
 class LossScaler:
     """The factor the loss is multiplied by before backward (1.0 unless fp16).
 
-    Dynamic scaling (DeepSpeed's rule): an overflow skips the step; the first `hysteresis - 1`
+    Dynamic scaling (DeepSpeed's hysteresis): an overflow skips the step; the first `hysteresis - 1`
     overflows since the last growth are absorbed, every further one halves the scale (not below
     `min_loss_scale`); `loss_scale_window` clean steps in a row double it and re-arm the hysteresis.
+    That count is torch's GradScaler's (`growth_interval`, which `GradScalerKwargs` sets) and
+    Megatron-LM's; DeepSpeed's DynamicLossScaler doubles one step later after the start and after each
+    overflow (at the window's + 1st clean step, then every window), so an fp16 run's scale can double
+    one step earlier here than under DeepSpeed with the same JSON.
     An overflow that would halve a scale already at the minimum raises `LossScaleError`, as DeepSpeed's
     scaler does: from there every step would be skipped, and the run would go on training nothing.
     """
