@@ -129,18 +129,28 @@ ZERO_RULES = {
     "zenflow": KeyRule("ZenFlow is not implemented", **at(None)),
 }
 _NVME = "NVMe offload only (tnlg offloads to CPU memory)"
-OFFLOAD_RULES = {
+_OFFLOAD_SHARED = {
     "pin_memory": KeyRule(f"host-memory pinning; {_PERF}"),
     "nvme_path": KeyRule(_NVME),
     "buffer_count": KeyRule(_NVME),
-    "buffer_size": KeyRule(_NVME),
-    "max_in_cpu": KeyRule(_NVME),
-    "pipeline_read": KeyRule(_NVME),
-    "pipeline_write": KeyRule(_NVME),
-    "fast_init": KeyRule(_NVME),
-    "cpuadam_cores_perc": KeyRule(f"CPUAdam threads; {_PERF}"),
-    "ratio": KeyRule("partial offload is not implemented: tnlg offloads all of it", **at(1.0)),
-    "super_offload": KeyRule("SuperOffload is not implemented", **at(False)),
+}
+# Each offload section's own keys, as DeepSpeed's two offload configs declare them (each refuses the
+# other's): {section: rules besides `device`}.
+OFFLOAD_RULES = {
+    "offload_param": {
+        **_OFFLOAD_SHARED,
+        "buffer_size": KeyRule(_NVME),
+        "max_in_cpu": KeyRule(_NVME),
+    },
+    "offload_optimizer": {
+        **_OFFLOAD_SHARED,
+        "pipeline_read": KeyRule(_NVME),
+        "pipeline_write": KeyRule(_NVME),
+        "fast_init": KeyRule(_NVME),
+        "cpuadam_cores_perc": KeyRule(f"CPUAdam threads; {_PERF}"),
+        "ratio": KeyRule("partial offload is not implemented: tnlg offloads all of it", **at(1.0)),
+        "super_offload": KeyRule("SuperOffload is not implemented", **at(False)),
+    },
 }
 FP16_KEYS = {
     "loss_scale_window": "loss_scale_window",

@@ -104,7 +104,7 @@ class SectionReader:
         self.set(f"{path}.device", device, field)
         for key, value in section.items():
             if key != "device":
-                self.other(f"{path}.{key}", key, value, OFFLOAD_RULES, ["device"])
+                self.other(f"{path}.{key}", key, value, OFFLOAD_RULES[field], ["device"])
 
     def read_precision(self, kind: str, section: Mapping[str, Any]) -> None:
         """`kind`: "bf16" or "fp16" (the section's key, "bfloat16" read as "bf16")."""

@@ -65,6 +65,15 @@ CONFIGS = REPO / "configs" / "deepspeed"
             "scheduler.params.warmup_num_step (did you mean 'warmup_num_steps'?)",
         ),
         ({"zero_optimization": {"stage": 1, "frobnicate": 1}}, "zero_optimization.frobnicate;"),
+        # Each offload section has its own keys, as in DeepSpeed (whose configs refuse the other's).
+        (
+            zero(stage=3, offload_param={"device": "cpu", "ratio": 0.5}),
+            "zero_optimization.offload_param.ratio;",
+        ),
+        (
+            zero(stage=3, offload_optimizer={"device": "cpu", "max_in_cpu": 10}),
+            "zero_optimization.offload_optimizer.max_in_cpu;",
+        ),
     ],
 )
 def test_unknown_keys_at_every_level_are_errors_naming_the_path_and_the_likely_key(ds, named):
