@@ -58,3 +58,38 @@ def test_every_group_the_engine_creates_takes_the_worlds_timeout():
         assert ranks.pop("plain new_group") == datetime.timedelta(minutes=30).total_seconds()
         assert any("shared" in name for name in ranks)  # the tied embedding's group was reached
         assert ranks == dict.fromkeys(ranks, WORLD_TIMEOUT)
+
+
+def _nccl_timeouts(rank: int, world_size: int, store: str) -> dict:
+    """On one GPU: an NCCL world made with a 123 s timeout in place of the harness's gloo one; what
+    world_timeout reads, and the timeouts of a group the engine's way makes and of one it adopts."""
+    import torch
+    import torch.distributed as dist
+
+    from tnlg.sharding.timeouts import adopt_world_timeout, world_timeout
+
+    dist.destroy_process_group()
+    timeout = datetime.timedelta(seconds=WORLD_TIMEOUT)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout)
+    torch.cuda.set_device(0)
+
+    def nccl_timeout(group) -> float:
+        return group._get_backend(torch.device("cuda")).options._timeout.total_seconds()
+
+    made = dist.new_group([0], timeout=world_timeout())
+    adopted = dist.new_group([0])
+    adopt_world_timeout(adopted)
+    found = {
+        "read": world_timeout().total_seconds(),
+        "made": nccl_timeout(made),
+        "adopted": nccl_timeout(adopted),
+    }
+    dist.destroy_process_group()
+    return found
+
+
+@pytest.mark.gpu
+def test_nccl_groups_take_the_worlds_timeout(tmp_path):
+    # NCCL's default is 10 minutes: the world's 123 s must reach the groups the engine creates.
+    (found,) = run_distributed(_nccl_timeouts, 1, str(tmp_path / "store"))
+    assert found == {"read": WORLD_TIMEOUT, "made": WORLD_TIMEOUT, "adopted": WORLD_TIMEOUT}
