@@ -1,5 +1,6 @@
 """ZeroAccelerator reads Accelerate's own settings as Accelerate does: the launcher's mixed precision, a
-GradScalerKwargs handler, batch keys over data-parallel replicas, and one clipping value."""
+GradScalerKwargs handler, batch keys over data-parallel replicas, one clipping value, the gradient
+accumulation plugin's sync_each_batch; and refuses save_on_each_node where it cannot apply it."""
 
 from __future__ import annotations
 
@@ -199,3 +200,40 @@ def test_save_on_each_node_is_refused_on_several_nodes_and_kept_on_one(tmp_path)
         assert found["built"] == "no error"
         assert found["save_state"] == found["save_model"] == "no error"
         assert found["written"] == ["checkpoint", "model"]
+
+
+def _sync_each_batch(rank: int, world_size: int, stage: int, sync_each_batch: bool) -> dict:
+    """The documented loop's losses and the engine's gradient reductions with Accelerate's
+    GradientAccumulationPlugin(num_steps=2, sync_each_batch=...)."""
+    import torch
+    from accelerate.utils import GradientAccumulationPlugin
+
+    from tests.support.accelerate_cases import _loader, train_loop
+    from tests.support.zero_tnlg_cases import debug_model
+    from tnlg.sharding import ZeroConfig
+
+    plugin = GradientAccumulationPlugin(num_steps=2, sync_each_batch=sync_each_batch)
+    accelerator = _fresh_accelerator(zero_config=ZeroConfig(stage=stage), gradient_accumulation_plugin=plugin)
+    model = debug_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model, optimizer, loader, scheduler = accelerator.prepare(
+        model, optimizer, _loader(world_size), scheduler
+    )
+    model.reset_comm_stats()
+    losses = train_loop(accelerator, model, optimizer, loader, scheduler)
+    reductions = model.comm_stats().get("all_reduce" if stage == 0 else "reduce_scatter", {}).get("calls", 0)
+    return {"losses": losses, "reductions": reductions}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1])
+def test_sync_each_batch_reduces_every_micro_batch_and_trains_the_same(stage):
+    # Accelerate then leaves no_sync out of accumulate(): stages 0-1, which otherwise reduce only at the
+    # accumulation boundary, reduce each micro-batch into what they hold (stage 0 the averaged buffer,
+    # stage 1 its summed piece); the step is the same.
+    once = run_distributed(_sync_each_batch, 2, stage, False)
+    each = run_distributed(_sync_each_batch, 2, stage, True)
+    assert each[0]["reductions"] == 2 * once[0]["reductions"] > 0
+    for a, b in zip(once, each, strict=True):
+        assert b["losses"] == pytest.approx(a["losses"], rel=1e-5)
