@@ -134,8 +134,9 @@ def build_groups(dims: ParallelDims, device_type: str | None = None) -> Parallel
         device_type = "cuda" if dist.get_backend() == "nccl" and torch.cuda.is_available() else "cpu"
     names = tuple(MESH_NAMES[d] for d in MESH_DIMENSIONS)
     mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=names)
-    for name in names:  # [Note: group timeouts] in timeouts.py
-        adopt_world_timeout(mesh.get_group(name))
+    timeout = world_timeout()  # [Note: group timeouts] in timeouts.py
+    for name in names:
+        adopt_world_timeout(mesh.get_group(name), timeout)
     return ParallelGroups(dims, mesh)
 
 
@@ -220,6 +221,7 @@ def shared_parameter_groups(
     degree = groups.dims.pipeline
     ranks = groups.mesh.mesh.reshape(degree, -1)  # (pipeline, data x tensor): global ranks
     me = dist.get_rank()
+    timeout = world_timeout()  # [Note: group timeouts] in timeouts.py
     result = {}
     for name, stages in sorted(split.shared.items()):
         if name not in trainable:
@@ -227,7 +229,7 @@ def shared_parameter_groups(
         holders = sorted({stage % degree for stage in stages})
         for column in range(ranks.shape[1]):
             members = [int(ranks[row, column]) for row in holders]
-            group = dist.new_group(members, timeout=world_timeout())
+            group = dist.new_group(members, timeout=timeout)
             if me in members:
                 result[name] = group
     return result

@@ -13,9 +13,10 @@ timeout: `new_group(timeout=world_timeout())`, and the mesh's groups through `ad
 (`init_device_mesh` takes a timeout only inside backend-specific options).
 
 torch has no public reader of a group's timeout: `world_timeout` reads it from the world's backend
-options (`_timeout`, the attribute torch's own DeviceMesh reads). Should a release move it, or drop
-`ProcessGroup.set_timeout`, the groups keep the backend defaults with a warning saying so, and
-tests/sharding/test_group_timeouts.py fails.
+options (`_timeout`, the attribute torch's own DeviceMesh reads). Should a release move it, or a
+backend refuse `ProcessGroup.set_timeout` (one that does not implement it: MPI, UCC, a custom one), the
+groups keep the backend defaults with a warning saying so; tests/sharding/test_group_timeouts.py reads
+every group's timeout, on gloo and (gpu-marked) on NCCL.
 """
 
 from __future__ import annotations
@@ -51,18 +52,17 @@ def world_timeout() -> timedelta | None:
     return None
 
 
-def adopt_world_timeout(group: dist.ProcessGroup) -> None:
-    """Give `group` (one this rank belongs to) the world's timeout; the world itself is left alone."""
-    if group is dist.group.WORLD:
+def adopt_world_timeout(group: dist.ProcessGroup, timeout: timedelta | None) -> None:
+    """Give `group` (one this rank belongs to) `timeout`, the world's (`world_timeout()`, read once by the
+    caller); the world itself and a None timeout are left alone."""
+    if timeout is None or group is dist.group.WORLD:
         return
-    timeout = world_timeout()
-    if timeout is None:
-        return
-    if not hasattr(group, "set_timeout"):
+    try:
+        group.set_timeout(timeout)
+    except RuntimeError as error:  # a backend without setTimeout
         logger.warning(
-            "this torch's ProcessGroup has no set_timeout: a device mesh group keeps the backend's default "
-            "timeout, not the world's %s ([Note: group timeouts])",
+            "a process group keeps its backend's default timeout, not the world's %s: %s ([Note: group "
+            "timeouts])",
             timeout,
+            error,
         )
-        return
-    group.set_timeout(timeout)

@@ -78,7 +78,7 @@ def _nccl_timeouts(rank: int, world_size: int, store: str) -> dict:
 
     made = dist.new_group([0], timeout=world_timeout())
     adopted = dist.new_group([0])
-    adopt_world_timeout(adopted)
+    adopt_world_timeout(adopted, world_timeout())
     found = {
         "read": world_timeout().total_seconds(),
         "made": nccl_timeout(made),
