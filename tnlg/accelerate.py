@@ -226,7 +226,7 @@ class ZeroAccelerator(Accelerator):
             raise ValueError("parallel= needs the ZeRO engine on (zero_config or TNLG_ZERO_* settings)")
         with accelerate_parallelism_hidden(self.parallel_dims is not None):
             super().__init__(*args, **kwargs)
-        self.num_nodes = 1  # the machines the processes are on (from Accelerate's local process indices)
+        self.num_nodes = 1  # the machines the processes are on (their host names)
         if self.zero_config is not None:
             refuse_another_state_precision(self.mixed_precision, mixed_precision)
             self.num_nodes = count_nodes()  # collective: every rank, before any group is built

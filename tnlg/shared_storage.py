@@ -13,20 +13,22 @@ the two arrangements are the same files, and the setting is accepted.
 
 from __future__ import annotations
 
+import socket
+
 import torch.distributed as dist
-from accelerate import PartialState
 
 __all__ = ["count_nodes", "refuse_node_local_saves"]
 
 
 def count_nodes() -> int:
-    """The number of nodes this run's processes are on: the processes whose local index (Accelerate's,
-    from the launcher's LOCAL_RANK) is 0, at least one. Collective over the world."""
+    """The number of machines this run's processes are on: their distinct host names (not the launcher's
+    LOCAL_RANK, which a process group made by hand may lack, and which Accelerate then reads as 0 on CPU
+    and -1 on GPU). Collective over the world."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return 1
-    local_indices: list[int | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(local_indices, PartialState().local_process_index)
-    return max(1, sum(1 for index in local_indices if index == 0))
+    hosts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return len(set(hosts))
 
 
 def refuse_node_local_saves(setting: str, nodes: int, turn_off: str) -> None:

@@ -154,14 +154,17 @@ def test_the_configured_clipping_governs_clip_grad_norm(tmp_path):
 
 
 def _save_on_each_node(rank: int, world_size: int, directory: str, nodes: int) -> dict:
-    """What ZeroAccelerator does with save_on_each_node when the 2 processes are on `nodes` nodes (2: each
-    is its node's first process, as the launcher's LOCAL_RANK says on two machines)."""
+    """What ZeroAccelerator does with save_on_each_node when the 2 processes are on `nodes` machines (2:
+    each process reports a host name of its own and is its machine's first, as on two machines)."""
     import os
+    import socket
     from pathlib import Path
 
     import torch
     from accelerate.utils import ProjectConfiguration
 
+    if nodes == 2:
+        socket.gethostname = lambda: f"node-{rank}"  # this rank's process only
     os.environ["LOCAL_RANK"] = "0" if nodes == 2 else str(rank)
     found = {}
     asked = ProjectConfiguration(save_on_each_node=True)

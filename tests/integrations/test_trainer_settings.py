@@ -199,12 +199,15 @@ def test_a_second_train_is_refused_rather_than_rebuilt_from_the_closed_engine(tm
 
 def _save_on_each_node(rank: int, world_size: int, directory: str, nodes: int) -> str | object:
     import os
+    import socket
 
     from accelerate.state import AcceleratorState
 
     from tnlg.sharding import ZeroConfig
 
-    # Two nodes: each of the 2 processes is its machine's first, as the launcher's LOCAL_RANK says.
+    # Two nodes: each of the 2 processes has a host name of its own and is its machine's first.
+    if nodes == 2:
+        socket.gethostname = lambda: f"node-{rank}"  # this rank's process only
     os.environ["LOCAL_RANK"] = "0" if nodes == 2 else str(rank)
     AcceleratorState._reset_state(True)
     found = _outcome(directory, ZeroConfig(stage=2), save_on_each_node=True)
