@@ -312,7 +312,10 @@ class TrainSection:
         if self.collective_timeout_minutes is not None:
             minutes = self.collective_timeout_minutes
             require(
-                "train.collective_timeout_minutes", minutes, math.isfinite(minutes) and minutes > 0, "> 0"
+                "train.collective_timeout_minutes",
+                minutes,
+                math.isfinite(minutes) and minutes > 0,
+                "a finite number > 0",
             )
 
 

@@ -128,8 +128,8 @@ def build_run(config: TrainingConfig, job: TrainingJob, resume: str | None = Non
         project_config=ProjectConfiguration(project_dir=str(output), logging_dir=str(output / "logs")),
         kwargs_handlers=_process_group_settings(train_section.collective_timeout_minutes),
     )
+    check_ranks_run_the_same_job(config.to_dict())  # first: the checks after it then agree on every rank
     _check_collective_timeout(train_section.collective_timeout_minutes)
-    check_ranks_run_the_same_job(config.to_dict())
     tokenizer = run_tokenizer(job.tokenizer, config.model)
     architecture = model_config(config.model, tokenizer, job.seq_len)
     engine, optimizer, scheduler = _build_engine(config, job, accelerator, architecture)
