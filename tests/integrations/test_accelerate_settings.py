@@ -165,7 +165,9 @@ def _save_on_each_node(rank: int, world_size: int, directory: str, nodes: int) -
 
     if nodes == 2:
         socket.gethostname = lambda: f"node-{rank}"  # this rank's process only
-    os.environ["LOCAL_RANK"] = "0" if nodes == 2 else str(rank)
+    # On one machine too every rank says local index 0, as Accelerate reads a missing LOCAL_RANK on CPU (a
+    # process group made without the launcher): the machines are counted by host name, not by it.
+    os.environ["LOCAL_RANK"] = "0"
     found = {}
     asked = ProjectConfiguration(save_on_each_node=True)
     found["built"] = _error(
