@@ -39,9 +39,13 @@ def raise_on_rank_one(rank: int, world_size: int) -> int:
 
 
 def exit_on_rank_one(rank: int, world_size: int) -> int:
+    # Both ranks first finish building the group: gloo connects its mesh on each side in turn, and a rank
+    # 1 gone before rank 0's side was done failed rank 0's init_process_group instead ("Connection closed
+    # by peer", seen once in CI), so the run named rank 0's error, not rank 1's exit.
+    dist.barrier()
     if rank == 1:
         os._exit(3)  # no traceback, no report: as a crash in C++ or a kill would end it
-    return rank  # no collective: rank 0 reports, and the harness waits on rank 1 alone
+    return rank  # rank 0 reports, and the harness waits on rank 1 alone
 
 
 def read_the_store_after_rank_zero_returned(rank: int, world_size: int) -> str:
