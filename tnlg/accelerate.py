@@ -654,9 +654,7 @@ class ZeroAccelerator(Accelerator):
         """Accelerate's save_on_each_node asks each node's first process to write the shared files to storage
         only that node reads, which tnlg's checkpoints do not implement (see tnlg/shared_storage.py)."""
         if self.project_configuration.save_on_each_node:
-            refuse_node_local_saves(
-                "ProjectConfiguration(save_on_each_node=True)", self.num_nodes, "save_on_each_node=False"
-            )
+            refuse_node_local_saves("ProjectConfiguration(save_on_each_node=True)", self.num_nodes)
 
     def _on_every_rank(self, work: Callable[[], T]) -> T:
         """`work()` on this process, then every process agrees it succeeded everywhere (over the world, not

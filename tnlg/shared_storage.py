@@ -31,14 +31,14 @@ def count_nodes() -> int:
     return len(set(hosts))
 
 
-def refuse_node_local_saves(setting: str, nodes: int, turn_off: str) -> None:
-    """Raise a ValueError naming `setting` (a node-local save asked for) when the run spans `nodes` > 1
-    nodes; `turn_off`: how the caller turns it off."""
+def refuse_node_local_saves(setting: str, nodes: int) -> None:
+    """Raise a ValueError naming `setting` (Accelerate's or the Trainer's save_on_each_node=True) when the
+    run spans `nodes` > 1 nodes."""
     if nodes <= 1:
         return
     raise ValueError(
         f"{setting} with processes on {nodes} nodes: tnlg writes each checkpoint once, to storage every "
         "node shares (each rank its engine shard, the main process the manifest and the run's shared "
-        "files), and node-local checkpoints are not implemented; set "
-        f"{turn_off} and save to a directory every node can read"
+        "files), and node-local checkpoints are not implemented; set save_on_each_node=False and save "
+        "to a directory every node can read"
     )

@@ -229,9 +229,7 @@ class ZeroTrainer(Trainer):
         _check_batch_keys(settings, self.args, accelerator.data_parallel_size)
         _refuse_best_weights_it_cannot_load(accelerator, self.args)
         if self.args.save_on_each_node:  # the engine's checkpoint-N/engine needs storage every node shares
-            refuse_node_local_saves(
-                "TrainingArguments(save_on_each_node=True)", accelerator.num_nodes, "save_on_each_node=False"
-            )
+            refuse_node_local_saves("TrainingArguments(save_on_each_node=True)", accelerator.num_nodes)
         _refuse_a_full_eval_cast(self.args)
         if self.args.auto_find_batch_size:
             # Its retry frees the accelerator (closing the engine) and prepares the model and the old,
