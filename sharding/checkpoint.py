@@ -80,7 +80,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from tnlg.modeling.loading import sha256_of
@@ -100,6 +99,7 @@ from .checkpoint_files import (
     saved_params,
     tnlg_version,
 )
+from .checkpoint_storage import check_directory_shared, check_manifest_shared, write_on_every_rank
 from .collectives import Collectives
 from .engine_state import EngineState
 from .json_files import write_json_atomic
@@ -253,12 +253,8 @@ def save_engine(engine: EngineState, directory: str | Path, tensor: TensorLayout
         _save_part(engine, directory, top=True)
         return
     world = tensor.world
-    if world.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        # The manifest is the commit point: an older one must not vouch for files being rewritten.
-        (directory / MANIFEST).unlink(missing_ok=True)
-    _barrier(world)
-    sha256 = _save_part(engine, directory / tensor.part, top=False, skip=tensor.saved_elsewhere)
+    _make_directory(world, directory, top=True)
+    sha256 = _save_part(engine, directory / tensor.part, top=False, skip=tensor.saved_elsewhere, agree=world)
     part = None
     if sha256 is not None:  # data rank 0 of each part: what the top manifest records of it
         part = {
@@ -271,6 +267,13 @@ def save_engine(engine: EngineState, directory: str | Path, tensor: TensorLayout
             "unmanaged": sorted(_unmanaged_state(engine)),
         }
     parts = world.all_gather_object(part)
+    write_on_every_rank(world, directory, lambda: _write_top_manifest(engine, directory, tensor, parts))
+    check_manifest_shared(world, directory / MANIFEST)
+
+
+def _write_top_manifest(engine: EngineState, directory: Path, tensor: TensorLayout, parts: list) -> None:
+    """World rank 0 writes the top manifest of a sliced or staged checkpoint (the others nothing)."""
+    world = tensor.world
     if world.rank == 0:
         part_manifests = sorted(
             (p for p in parts if p is not None), key=lambda p: (p["pipeline_stage"], p["tensor_rank"])
@@ -293,7 +296,6 @@ def save_engine(engine: EngineState, directory: str | Path, tensor: TensorLayout
             "unmanaged": list(unmanaged),
         }
         write_json_atomic(directory / MANIFEST, manifest, indent=2, default=str)
-    _barrier(world)
 
 
 def _full_slice_shapes(engine: EngineState, tensor: TensorLayout) -> dict[str, dict[str, Any]]:
@@ -332,22 +334,22 @@ def _write_model_config(engine: EngineState, directory: Path) -> None:
 
 
 def _save_part(
-    engine: EngineState, directory: Path, top: bool, skip: frozenset[str] = frozenset()
+    engine: EngineState,
+    directory: Path,
+    top: bool,
+    skip: frozenset[str] = frozenset(),
+    agree: Collectives | None = None,
 ) -> str | None:
     """The engine's data group writes a checkpoint of its shards in `directory`, its rank 0 the manifest
     last; `top` False: a sub-checkpoint (no config.json); `skip`: parameters another part saves, left
     out with their units (see [Note: pipeline checkpoints]). Returns, on data rank 0 of a
-    sub-checkpoint, its manifest's sha256 (which the top manifest records)."""
+    sub-checkpoint, its manifest's sha256 (which the top manifest records). Every step is agreed over
+    `agree` (the engine's data group by default; the world for a sub-checkpoint, whose save all parts
+    share): see [Note: shared checkpoint storage] in checkpoint_storage.py."""
     collectives = engine.collectives
+    agree = agree if agree is not None else collectives
     rank = collectives.rank
-    if rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        if top:
-            # The manifest is the commit point: an older one must not vouch for rank files being
-            # rewritten (a crash mid-save then leaves no manifest, never a stale one). A sub-checkpoint's
-            # is vouched for by the top manifest, which save_engine removed first.
-            (directory / MANIFEST).unlink(missing_ok=True)
-    _barrier(collectives)
+    _make_directory(agree, directory, top, maker=rank == 0)
     tensors: dict[str, torch.Tensor] = {}
     optimizer = engine.base_optimizer
     for index, group in enumerate(engine.groups):
@@ -362,25 +364,51 @@ def _save_part(
         for name, tensor in _unmanaged_state(engine).items():
             tensors[UNMANAGED_PREFIX + name] = tensor
     path = rank_file(directory, rank)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
-    _fsync(path)
-    record = {path.name: {"sha256": sha256_of(path), "bytes": path.stat().st_size}}
-    records = collectives.all_gather_object(record)
-    if rank != 0:
-        _barrier(collectives)
-        return None
+
+    def write_rank_file() -> dict[str, Any]:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
+        _fsync(path)
+        return {path.name: {"sha256": sha256_of(path), "bytes": path.stat().st_size}}
+
+    records = collectives.all_gather_object(write_on_every_rank(agree, directory, write_rank_file))
+
+    def write_manifest() -> None:
+        if rank != 0:
+            return
+        if top:
+            _write_model_config(engine, directory)
+        manifest = {
+            **_manifest_head(engine, collectives.world_size),
+            "groups": group_manifest(engine, skip),
+            "unmanaged": sorted(_unmanaged_state(engine)),
+            "files": {name: info for r in records for name, info in r.items()},
+        }
+        # The manifest appears only once every file is complete.
+        write_json_atomic(directory / MANIFEST, manifest, indent=2, default=str)
+
+    write_on_every_rank(agree, directory, write_manifest)
     if top:
-        _write_model_config(engine, directory)
-    manifest = {
-        **_manifest_head(engine, collectives.world_size),
-        "groups": group_manifest(engine, skip),
-        "unmanaged": sorted(_unmanaged_state(engine)),
-        "files": {name: info for r in records for name, info in r.items()},
-    }
-    # The manifest appears only once every file is complete.
-    write_json_atomic(directory / MANIFEST, manifest, indent=2, default=str)
-    _barrier(collectives)
-    return None if top else sha256_of(directory / MANIFEST)
+        check_manifest_shared(agree, directory / MANIFEST)
+        return None
+    return sha256_of(directory / MANIFEST) if rank == 0 else None
+
+
+def _make_directory(agree: Collectives, directory: Path, top: bool, maker: bool | None = None) -> None:
+    """`maker` (by default `agree`'s rank 0) makes `directory`, removing a top manifest there, and every
+    rank of `agree` then sees it (see [Note: shared checkpoint storage]). Collective over `agree`."""
+
+    def make() -> None:
+        if not (agree.rank == 0 if maker is None else maker):
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        if top:
+            # The manifest is the commit point: an older one must not vouch for rank files being
+            # rewritten (a crash mid-save then leaves no manifest, never a stale one). A sub-checkpoint's
+            # is vouched for by the top manifest, which save_engine removed first.
+            (directory / MANIFEST).unlink(missing_ok=True)
+
+    write_on_every_rank(agree, directory, make)
+    check_directory_shared(agree, directory)
 
 
 def _saved_units(layout: Any, skip: frozenset[str]) -> list[Unit] | None:
@@ -655,8 +683,3 @@ def _load_unmanaged(engine: EngineState, saved: SavedCheckpoint, tensor: TensorL
 def _fsync(path: Path) -> None:
     with open(path, "rb") as stream:
         os.fsync(stream.fileno())
-
-
-def _barrier(collectives: Collectives) -> None:
-    if collectives.active:
-        dist.barrier(group=collectives.group)

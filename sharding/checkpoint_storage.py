@@ -1,0 +1,122 @@
+"""A save's ranks agree that every write succeeded and that the checkpoint is on storage they all share.
+
+[Note: shared checkpoint storage]
+An engine checkpoint is one set of files: each rank writes its shard beside the others', one rank the
+manifest (the commit point), and a load reads every manifest and the shards covering its range. On disks
+only one node reads (a node-local /tmp, a path naming another mount on each node) each node holds a piece
+and the save used to succeed, the resume failing later on the nodes that lack the manifest; where the
+directory did not exist on a node, that node's ranks failed alone and the others waited in the save's
+next collective until the process group's timeout. So every step of a save is agreed, over the ranks
+that save together (the world with tensor slicing or stages):
+
+- after the directory is made, every rank sees it;
+- a write that fails on one rank (disk full, permissions, a directory it cannot see) fails on every
+  rank, naming that rank and its host, before the next collective;
+- after the manifest is written, every rank reads the bytes rank 0 wrote (their sha256): a directory
+  present on every node but not shared is found at the save. When a rank does not, rank 0 removes the
+  manifest, so the save is never taken for whole on the node that holds it.
+
+A file a rank does not see yet is looked for again for up to `LATE_FILE_WAIT_S` (NFS caches a directory's
+attributes for up to 60 s by default, `acdirmax`); only a failing save waits.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch.distributed as dist
+from safetensors import SafetensorError
+
+from tnlg.modeling.loading import sha256_of
+
+from .checkpoint_files import CheckpointError
+from .collectives import Collectives
+
+__all__ = ["LATE_FILE_WAIT_S", "check_directory_shared", "check_manifest_shared", "write_on_every_rank"]
+
+T = TypeVar("T")
+LATE_FILE_WAIT_S = 60.0
+_WRITE_ERRORS = (OSError, SafetensorError, CheckpointError)
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _agree(agree: Collectives, failure: str | None, directory: Path) -> None:
+    """Gather every rank's failure (None: none) with its global rank and host; raise on every rank when
+    any failed, naming the first and rank 0's host."""
+    reports = agree.all_gather_object((_global_rank(), socket.gethostname(), failure))
+    failed = [(rank, host, text) for rank, host, text in reports if text is not None]
+    if not failed:
+        return
+    rank, host, text = failed[0]
+    more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+    first_host = reports[0][1]
+    raise CheckpointError(
+        f"saving the checkpoint {directory} failed: rank {rank} (host {host}) {text}{more}; the ranks' "
+        f"first one is on host {first_host}"
+    )
+
+
+def write_on_every_rank(agree: Collectives, directory: Path, write: Callable[[], T]) -> T:
+    """`write()` on this rank, then agree: a file error on any rank is raised on every rank."""
+    try:
+        return_value, failure = write(), None
+    except _WRITE_ERRORS as error:
+        return_value, failure = None, f"could not write: {type(error).__name__}: {error}"
+    _agree(agree, failure, directory)
+    return return_value  # type: ignore[return-value]
+
+
+def _seen(check: Callable[[], bool]) -> bool:
+    """`check()` until it holds, for up to LATE_FILE_WAIT_S."""
+    deadline = time.monotonic() + LATE_FILE_WAIT_S
+    while not check():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(1.0, LATE_FILE_WAIT_S / 10))
+    return True
+
+
+def check_directory_shared(agree: Collectives, directory: Path) -> None:
+    """Every rank sees `directory`, which its group's rank 0 has just made. Collective over `agree`."""
+    failure = None
+    if not _seen(directory.is_dir):
+        failure = (
+            "does not see the directory its group's first rank made: checkpoints are written once, to "
+            "storage every process reads under the same path (see docs/checkpoints.md)"
+        )
+    _agree(agree, failure, directory)
+
+
+def check_manifest_shared(agree: Collectives, manifest: Path) -> None:
+    """Every rank reads the manifest `agree`'s rank 0 has just written, byte for byte (its sha256); when a
+    rank does not, rank 0 removes it and every rank raises. Collective over `agree`."""
+    digest = sha256_of(manifest) if agree.rank == 0 else None
+    expected = agree.all_gather_object(digest)[0]
+
+    def same() -> bool:
+        try:
+            return sha256_of(manifest) == expected
+        except OSError:
+            return False
+
+    failure = None
+    if agree.rank != 0 and not _seen(same):
+        seen = "another" if manifest.is_file() else "no"
+        failure = (
+            f"sees {seen} {manifest.name} where the first rank wrote it: the checkpoint's directory is not "
+            "on storage every process shares (each node holds a piece no other reads); write checkpoints "
+            "to a directory every process reads under the same path (see docs/checkpoints.md)"
+        )
+    try:
+        _agree(agree, failure, manifest.parent)
+    except CheckpointError:
+        if agree.rank == 0:  # the manifest vouches for files other ranks wrote elsewhere: not a checkpoint
+            manifest.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,67 @@
+"""An engine save agrees on every rank that it reached storage all ranks share and that every write
+succeeded (see [Note: shared checkpoint storage] in sharding/checkpoint_storage.py). Node-local disks are
+simulated on one machine: each rank works in a directory of its own and saves to the same relative path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import tnlg.sharding.checkpoint_storage as checkpoint_storage
+from tests.support.zero_models import batches, local, make_model, make_optimizer
+from tnlg.sharding import ZeroConfig, initialize
+from tnlg.tools.spawn import run_distributed
+
+pytestmark = pytest.mark.slow  # every test here launches processes (see pyproject's markers)
+
+
+def _save(rank: int, world_size: int, root: str, case: str) -> str:
+    checkpoint_storage.LATE_FILE_WAIT_S = 1.0  # a failing save waits out its window: short here
+    disk = Path(root) / (f"node{rank}" if case in ("node_local", "node_local_made") else "shared")
+    disk.mkdir(parents=True, exist_ok=True)
+    os.chdir(disk)
+    if case == "node_local_made":  # as save_state and the Trainer make it: on every rank
+        Path("ckpt").mkdir(exist_ok=True)
+    if case == "unwritable" and rank == 1:  # rank 1's shard cannot be written where it belongs
+        Path("ckpt/rank-00001.safetensors").mkdir(parents=True, exist_ok=True)
+    model = make_model()
+    engine = initialize(model, make_optimizer(model), ZeroConfig(stage=1, mixed_precision="no"))
+    loss = engine(*local(batches(1)[0], rank, world_size))
+    engine.backward(loss)
+    engine.step()
+    try:
+        engine.save_checkpoint("ckpt")
+    except Exception as error:  # what every rank raised, by type
+        return f"{type(error).__name__}: {error}"
+    return "saved"
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("node_local", "rank 1 (host "),
+        ("node_local_made", "rank 1 (host "),
+        ("unwritable", "rank 1 (host "),
+    ],
+)
+def test_a_save_that_not_every_rank_shares_fails_on_every_rank(tmp_path, case, expected):
+    results = run_distributed(_save, 2, str(tmp_path), case)
+    for result in results:  # each rank raised, none was left waiting in a collective until a timeout
+        assert result.startswith("CheckpointError: saving the checkpoint ckpt failed: "), result
+        assert expected in result
+    if case == "node_local":
+        assert "does not see the directory" in results[0]
+    if case == "node_local_made":
+        assert "sees no manifest.json" in results[0]
+    if case == "unwritable":
+        assert "could not write" in results[0]
+    # Nothing vouches for the pieces: no manifest where rank 0 saved.
+    first = tmp_path / ("shared" if case == "unwritable" else "node0") / "ckpt"
+    assert not (first / "manifest.json").exists()
+
+
+def test_a_shared_save_passes_its_checks(tmp_path):
+    assert run_distributed(_save, 2, str(tmp_path), "shared") == ["saved", "saved"]
+    assert (tmp_path / "shared" / "ckpt" / "manifest.json").is_file()
