@@ -253,7 +253,7 @@ def save_engine(engine: EngineState, directory: str | Path, tensor: TensorLayout
         _save_part(engine, directory, top=True)
         return
     world = tensor.world
-    _make_directory(world, directory, top=True)
+    _make_directory(world, directory, top=True, maker=world.rank == 0)
     sha256 = _save_part(engine, directory / tensor.part, top=False, skip=tensor.saved_elsewhere, agree=world)
     part = None
     if sha256 is not None:  # data rank 0 of each part: what the top manifest records of it
@@ -393,12 +393,12 @@ def _save_part(
     return sha256_of(directory / MANIFEST) if rank == 0 else None
 
 
-def _make_directory(agree: Collectives, directory: Path, top: bool, maker: bool | None = None) -> None:
-    """`maker` (by default `agree`'s rank 0) makes `directory`, removing a top manifest there, and every
+def _make_directory(agree: Collectives, directory: Path, top: bool, maker: bool) -> None:
+    """The rank that is `maker` makes `directory`, removing a top manifest there, and every
     rank of `agree` then sees it (see [Note: shared checkpoint storage]). Collective over `agree`."""
 
     def make() -> None:
-        if not (agree.rank == 0 if maker is None else maker):
+        if not maker:
             return
         directory.mkdir(parents=True, exist_ok=True)
         if top:

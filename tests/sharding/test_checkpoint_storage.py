@@ -38,19 +38,12 @@ def _save(rank: int, world_size: int, root: str, case: str) -> str:
     return "saved"
 
 
-@pytest.mark.parametrize(
-    ("case", "expected"),
-    [
-        ("node_local", "rank 1 (host "),
-        ("node_local_made", "rank 1 (host "),
-        ("unwritable", "rank 1 (host "),
-    ],
-)
-def test_a_save_that_not_every_rank_shares_fails_on_every_rank(tmp_path, case, expected):
+@pytest.mark.parametrize("case", ["node_local", "node_local_made", "unwritable"])
+def test_a_save_that_not_every_rank_shares_fails_on_every_rank(tmp_path, case):
     results = run_distributed(_save, 2, str(tmp_path), case)
     for result in results:  # each rank raised, none was left waiting in a collective until a timeout
         assert result.startswith("CheckpointError: saving the checkpoint ckpt failed: "), result
-        assert expected in result
+        assert "rank 1 (host " in result
     if case == "node_local":
         assert "does not see the directory" in results[0]
     if case == "node_local_made":
