@@ -8,8 +8,11 @@ import os
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 import tnlg.sharding.checkpoint_storage as checkpoint_storage
+from tests.support.parallel_cases import tnlg_batches
+from tests.support.parallel_checkpoint_cases import build, train_data_share
 from tests.support.zero_models import batches, local, make_model, make_optimizer
 from tnlg.sharding import ZeroConfig, initialize
 from tnlg.tools.spawn import run_distributed
@@ -58,3 +61,35 @@ def test_a_save_that_not_every_rank_shares_fails_on_every_rank(tmp_path, case):
 def test_a_shared_save_passes_its_checks(tmp_path):
     assert run_distributed(_save, 2, str(tmp_path), "shared") == ["saved", "saved"]
     assert (tmp_path / "shared" / "ckpt" / "manifest.json").is_file()
+
+
+def _save_sliced(rank: int, world_size: int, root: str, tensor: int, pipeline: int, unwritable: str) -> str:
+    """One step of the tiny TNLG model at tensor x pipeline x data, then a save in which global rank 3's
+    file of its part cannot be written (a directory stands where it goes)."""
+    engine = build(tensor, stage=2, pipeline=pipeline, layers=4)
+    train_data_share(engine, *tnlg_batches(1)[0])
+    if rank == 3:
+        (Path(root) / "ckpt" / unwritable).mkdir(parents=True)
+    dist.barrier()  # the obstacle stands before any rank saves
+    try:
+        engine.save_checkpoint(Path(root) / "ckpt")
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        engine.close()
+    return "saved"
+
+
+@pytest.mark.parametrize(
+    ("tensor", "pipeline", "unwritable"),
+    [(2, 1, "tensor-01/rank-00001.safetensors"), (1, 2, "pipeline-01-tensor-00/rank-00001.safetensors")],
+    ids=["tensor2-data2", "pipeline2-data2"],
+)  # global rank 3 is data rank 1 of the second part: the mesh is (pipeline, data, tensor), tensor innermost
+def test_a_part_failing_on_one_rank_fails_the_save_on_every_rank_of_every_part(
+    tmp_path, tensor, pipeline, unwritable
+):
+    results = run_distributed(_save_sliced, 4, str(tmp_path), tensor, pipeline, unwritable, timeout=400)
+    for result in results:  # the other part's ranks too: none waits for the top manifest until a timeout
+        assert result.startswith("CheckpointError: saving the checkpoint "), result
+        assert "rank 3 (host " in result and "could not write" in result, result
+    assert not (tmp_path / "ckpt" / "manifest.json").exists()

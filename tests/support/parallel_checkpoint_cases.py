@@ -58,7 +58,8 @@ def optimizer_moments(engine) -> dict[str, torch.Tensor]:
     return moments
 
 
-def _step(engine, ids: torch.Tensor, labels: torch.Tensor) -> float:
+def train_data_share(engine, ids: torch.Tensor, labels: torch.Tensor) -> float:
+    """One step of `train_batch` on this data rank's share of the global batch (one sample per micro-batch)."""
     data_rank, data_size = (
         (engine.parallel.rank("data"), engine.parallel.dims.data) if engine.parallel is not None else (0, 1)
     )
@@ -96,7 +97,7 @@ def run_layout(
     for step, (ids, labels) in enumerate(tnlg_batches(STEPS)):
         if step < start:
             continue
-        losses.append(_step(engine, ids, labels))
+        losses.append(train_data_share(engine, ids, labels))
         if save is not None and step + 1 == SAVE_AT:
             engine.save_checkpoint(save)
             result["saved"] = engine.full_state_dict(rank0_only=False)
