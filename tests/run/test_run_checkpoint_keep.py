@@ -5,6 +5,7 @@ to go; and a checkpoint replaced at its own step is never missing where `latest`
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from tnlg.run.checkpoint import LATEST, RunCheckpointer, latest_checkpoint
 from tnlg.run.metrics import LossCurve
+from tnlg.sharding.checkpoint import CheckpointError
 
 
 class _OneProcess:
@@ -19,9 +21,6 @@ class _OneProcess:
 
     process_index = 0
     is_main_process = True
-
-    def wait_for_everyone(self) -> None:
-        pass
 
 
 class _Engine:
@@ -78,7 +77,7 @@ def test_a_crash_while_replacing_a_checkpoint_leaves_latest_leading_to_a_complet
         return real_rename(self, target)
 
     monkeypatch.setattr(Path, "rename", rename)
-    with pytest.raises(OSError, match="killed"):
+    with pytest.raises(CheckpointError, match="could not write: OSError: killed"):
         _save(tmp_path, 2, 2)  # a resumed run saving step 2 again
     monkeypatch.undo()
     assert json.loads((tmp_path / LATEST).read_text()) == {"checkpoint": "step-00000002"}
@@ -87,3 +86,24 @@ def test_a_crash_while_replacing_a_checkpoint_leaves_latest_leading_to_a_complet
     _save(tmp_path, 2, 2)  # the next save at that step completes the replacement
     assert _kept(tmp_path) == ["step-00000002"]
     assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
+
+
+def test_an_older_checkpoint_that_cannot_be_removed_is_an_error_saying_the_new_one_is_saved(
+    tmp_path, monkeypatch
+):
+    _save(tmp_path, 1, 1)
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, ignore_errors=False):  # the older checkpoint's directory refuses deletion
+        if not ignore_errors and Path(path).name == "step-00000001":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    with pytest.raises(
+        CheckpointError, match=r"step-00000002 is saved .* train.keep_last 1 could not remove"
+    ):
+        _save(tmp_path, 1, 2)
+    monkeypatch.undo()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
+    assert _kept(tmp_path) == ["step-00000001", "step-00000002"]

@@ -33,6 +33,8 @@ from tnlg.sharding.checkpoint import (
     read_manifest,
     read_on_every_rank,
 )
+from tnlg.sharding.checkpoint_storage import write_on_every_rank
+from tnlg.sharding.collectives import Collectives
 from tnlg.sharding.deepspeed.zero_checkpoint import is_deepspeed_checkpoint
 from tnlg.sharding.json_files import write_json, write_json_atomic
 from tnlg.state_files import (
@@ -244,25 +246,33 @@ class RunCheckpointer:
         self.root, self.keep_last, self.accelerator = Path(root), keep_last, accelerator
 
     def save(self, step: int, engine, scheduler, data_state: dict, config: dict, curve: LossCurve) -> Path:
-        """Collective: every rank writes its part; returns the checkpoint directory."""
-        accelerator, rank = self.accelerator, self.accelerator.process_index
+        """Collective: every rank writes its part; returns the checkpoint directory. Each step is agreed
+        over the world, as the engine's own save is ([Note: shared checkpoint storage]): a write that fails
+        on one rank (disk full, a directory it cannot see) raises on every rank, naming it, rather than
+        leaving the others waiting in the next collective; the checkpoint is then not in place and
+        `latest` still names the previous one."""
+        main = self.accelerator.is_main_process
+        world = Collectives()
         name = f"step-{step:08d}"
         staging, final = self.root / f".{name}.staging", self.root / name
-        if accelerator.is_main_process:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-        accelerator.wait_for_everyone()
-        engine.save_checkpoint(engine_directory(staging))
-        write_rank_state(staging, rank, step=step, data=data_state)
-        if accelerator.is_main_process:
-            write_scheduler_states(staging, [scheduler])
-            write_json(staging / "config.json", config)
-            write_json(staging / CURVE_FILE, curve.state_dict())  # a resumed run's curve starts with it
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            self._replace(final, staging)
-            self._prune(final)
-        accelerator.wait_for_everyone()
+
+        def make_staging() -> None:
+            if main:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+
+        def write_run_state() -> None:
+            write_rank_state(staging, self.accelerator.process_index, step=step, data=data_state)
+            if main:
+                write_scheduler_states(staging, [scheduler])
+                write_json(staging / "config.json", config)
+                write_json(staging / CURVE_FILE, curve.state_dict())  # a resumed run's curve starts with it
+
+        write_on_every_rank(world, staging, make_staging)
+        engine.save_checkpoint(engine_directory(staging))  # collective; checks that every rank shares it
+        write_on_every_rank(world, staging, write_run_state)
+        write_on_every_rank(world, final, lambda: self._replace(final, staging) if main else None)
+        read_on_every_rank(world, lambda: self._prune(final) if main else None)
         return final
 
     def _replace(self, final: Path, staging: Path) -> None:
@@ -284,7 +294,7 @@ class RunCheckpointer:
     def load(self, which: str, engine, scheduler, fallback: bool = False) -> dict[str, Any]:
         """Restore `which` (`latest` or a directory); with `fallback`, a damaged `latest` gives way to the
         newest older checkpoint that loads (each failure is logged with its reason)."""
-        path = self.resolve(which)
+        path = read_on_every_rank(Collectives(), lambda: self.resolve(which))  # a rank seeing none fails all
         candidates = resume_candidates(self.root, path, fallback and which == LATEST)
         for index, candidate in enumerate(candidates):
             try:
@@ -302,7 +312,11 @@ class RunCheckpointer:
         rank 0's data position (a world-independent one, such as the pre-tokenized stream's, maps
         onto the new ranks; a per-rank one refuses) and fresh RNG seeded by step and rank."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        saved_world, layout = self._saved_layout(path)
+        # Everything is read (and every rank of the world agrees it could be) before anything is restored:
+        # a damaged file leaves the engine, the scheduler and the RNG untouched, and no rank waiting for
+        # another (the world: under tensor slicing or stages the engine's data group is only part of it).
+        agree = Collectives()
+        saved_world, layout = read_on_every_rank(agree, lambda: self._saved_layout(path))
         own_rank, by_replica = self._data_state_rank(saved_world, layout)
 
         def read_run_state() -> tuple[dict, dict, LossCurve]:
@@ -317,9 +331,7 @@ class RunCheckpointer:
                 read_checkpoint_json(path / "config.json")
             return scheduler_state, read_rank_state(path, own_rank), curve
 
-        # Everything is read (and every rank agrees it could be) before anything is restored: a damaged
-        # file leaves the engine, the scheduler and the RNG untouched, and no rank waiting for another.
-        scheduler_state, state, curve = read_on_every_rank(engine.collectives, read_run_state)
+        scheduler_state, state, curve = read_on_every_rank(agree, read_run_state)
         engine.load_checkpoint(engine_directory(path))
         scheduler.load_state_dict(scheduler_state)
         if own_rank == rank and saved_world == world:
@@ -386,4 +398,10 @@ class RunCheckpointer:
         earlier = sorted((p for p in others if p.name < written.name), reverse=True)
         abandoned = sorted(p for p in others if p.name > written.name)
         for old in (earlier + abandoned)[self.keep_last - 1 :]:
-            shutil.rmtree(old)
+            try:
+                shutil.rmtree(old)
+            except OSError as error:  # the save itself stands: say so, and that keep_last was not applied
+                raise CheckpointError(
+                    f"{written} is saved and {self.root / LATEST} names it, but train.keep_last "
+                    f"{self.keep_last} could not remove the older {old}: {type(error).__name__}: {error}"
+                ) from error

@@ -1,0 +1,147 @@
+"""A run checkpoint's writes and reads agree over every rank, as the engine's own save does (see [Note: shared
+checkpoint storage] in sharding/checkpoint_storage.py): a failure on one rank is raised on every rank,
+naming it, and none is left waiting in a collective until the process group's timeout; a failed save
+leaves `latest` naming the previous checkpoint. The failures: a full disk for one rank's file (its write
+patched to raise ENOSPC), a `latest` that cannot be replaced (a directory in its place), a path that names
+another disk on each node (each rank its own directory), a copy of the checkpoint one rank reads damaged."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tnlg.run.checkpoint as run_checkpoint
+import tnlg.sharding.checkpoint_storage as checkpoint_storage
+from tests.support.parallel_cases import tnlg_batches
+from tests.support.parallel_checkpoint_cases import build, train_data_share
+from tests.support.zero_models import batches, local, make_model, make_optimizer
+from tnlg.run.checkpoint import LATEST, RunCheckpointer
+from tnlg.run.metrics import LossCurve
+from tnlg.sharding import ZeroConfig, initialize
+from tnlg.tools.spawn import run_distributed
+
+pytestmark = pytest.mark.slow  # every test here launches processes (see pyproject's markers)
+
+
+class _Ranks:
+    """The accelerator's part a run checkpoint uses, over the process group run_distributed made."""
+
+    def __init__(self) -> None:
+        self.process_index, self.num_processes = dist.get_rank(), dist.get_world_size()
+        self.is_main_process = self.process_index == 0
+
+
+def _full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _trained(rank: int, world_size: int, tensor: int = 1):
+    """An engine after one step: the ZeRO test model, or with `tensor` > 1 the tiny TNLG model sliced
+    `tensor` ways (data parallel over the rest)."""
+    if tensor > 1:
+        engine = build(tensor, stage=2)
+        train_data_share(engine, *tnlg_batches(1)[0])
+    else:
+        model = make_model()
+        engine = initialize(model, make_optimizer(model), ZeroConfig(stage=2, mixed_precision="no"))
+        engine.backward(engine(*local(batches(1)[0], rank, world_size)))
+        engine.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1)], lr=1.0), lambda _: 1.0)
+    return engine, scheduler
+
+
+def _save(rank: int, world_size: int, root: str, case: str) -> str:
+    checkpoint_storage.LATE_FILE_WAIT_S = 1.0  # a failing save waits out its window: short here
+    engine, scheduler = _trained(rank, world_size)
+    checkpointer = RunCheckpointer(Path(root) / "shared", 2, _Ranks())
+    checkpointer.save(1, engine, scheduler, {"batches": 1}, {}, LossCurve())  # a complete one first
+    if case == "node_local":  # the same path names a disk of each node's own
+        checkpointer.root = Path(root) / f"node{rank}"
+    if case == "rank_file_full" and rank == 1:
+        run_checkpoint.write_rank_state = _full_disk
+    if case == "scheduler_full" and rank == 0:
+        run_checkpoint.write_scheduler_states = _full_disk
+    if case == "latest_unreplaceable" and rank == 0:
+        (checkpointer.root / LATEST).unlink()
+        (checkpointer.root / LATEST).mkdir()  # the pointer cannot be replaced by a file
+    try:
+        checkpointer.save(2, engine, scheduler, {"batches": 2}, {}, LossCurve())
+    except Exception as error:  # what every rank raised, by type
+        return f"{type(error).__name__}: {error}"
+    finally:
+        engine.close()
+    return "saved"
+
+
+@pytest.mark.parametrize(
+    ("case", "failed_rank", "says"),
+    [
+        ("rank_file_full", 1, "No space left on device"),
+        ("scheduler_full", 0, "No space left on device"),
+        ("latest_unreplaceable", 0, "could not write: IsADirectoryError"),
+        ("node_local", 1, "does not see the directory"),
+    ],
+)
+def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path, case, failed_rank, says):
+    results = run_distributed(_save, 2, str(tmp_path), case)
+    for result in results:  # each rank raised, none was left waiting in a collective until a timeout
+        assert result.startswith("CheckpointError: saving the checkpoint "), result
+        assert f"rank {failed_rank} (host " in result and says in result, result
+    if case in ("rank_file_full", "scheduler_full"):  # nothing moved in: `latest` leads to step 1
+        shared = tmp_path / "shared"
+        assert not (shared / "step-00000002").exists()
+        assert json.loads((shared / LATEST).read_text()) == {"checkpoint": "step-00000001"}
+
+
+def _save_and_load(rank: int, world_size: int, root: str, case: str, tensor: int = 1) -> str:
+    checkpoint_storage.LATE_FILE_WAIT_S = 1.0
+    engine, scheduler = _trained(rank, world_size, tensor)
+    shared = Path(root) / "shared"
+    RunCheckpointer(shared, 2, _Ranks()).save(1, engine, scheduler, {"batches": 1}, {}, LossCurve())
+    # The resume: the last rank's path names a disk that holds nothing (no `latest`), or a checkpoint
+    # without its engine manifest, or a copy whose scheduler file is damaged.
+    last = rank == world_size - 1 and case != "shared"
+    seen = Path(root) / f"node{rank}" if last else shared
+    if last and case == "engine_missing":
+        (seen / "step-00000001").mkdir(parents=True)
+        (seen / LATEST).write_text(json.dumps({"checkpoint": "step-00000001"}))
+    if last and case == "scheduler_damaged":
+        shutil.copytree(shared, seen)
+        (seen / "step-00000001" / "scheduler.json").write_text("{")
+    try:
+        RunCheckpointer(seen, 2, _Ranks()).load(LATEST, engine, scheduler)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        engine.close()
+    return "loaded"
+
+
+@pytest.mark.parametrize(
+    ("case", "tensor", "says"),
+    [
+        ("no_latest", 1, "holds no checkpoint"),
+        ("engine_missing", 1, "manifest"),
+        ("scheduler_damaged", 1, "scheduler.json"),
+        # the world, not the engine's data group: the other tensor rank's group must not wait in the load
+        ("scheduler_damaged", 2, "scheduler.json"),
+    ],
+)
+def test_a_resume_that_one_rank_cannot_read_fails_on_every_rank(tmp_path, case, tensor, says):
+    world_size = 2 * tensor
+    results = run_distributed(_save_and_load, world_size, str(tmp_path), case, tensor, timeout=400)
+    for result in results:
+        assert result.startswith(f"CheckpointError: rank {world_size - 1}: "), result
+        assert says in result, result
+
+
+def test_a_shared_save_and_resume_pass_their_checks(tmp_path):
+    assert run_distributed(_save, 2, str(tmp_path), "shared") == ["saved", "saved"]
+    assert json.loads((tmp_path / "shared" / LATEST).read_text()) == {"checkpoint": "step-00000002"}
+    assert run_distributed(_save_and_load, 2, str(tmp_path / "again"), "shared") == ["loaded", "loaded"]
