@@ -322,10 +322,21 @@ def test_accelerates_dynamo_settings_become_the_engines():
         compile_config_for(None, ignored)
 
 
+@pytest.fixture(scope="module")
+def accelerate_eager() -> dict:
+    return run_distributed(accelerate_dynamo, 2, "no")[0]
+
+
 @pytest.mark.slow
-def test_accelerates_dynamo_backend_compiles_the_blocks_inside_the_engine():
-    eager = run_distributed(accelerate_dynamo, 2, "no")[0]
-    compiled = run_distributed(accelerate_dynamo, 2, "aot_eager")[0]
+@pytest.mark.parametrize(("use_dynamic", "dynamic"), [(None, None), ("False", False)], ids=["unset", "false"])
+def test_accelerates_dynamo_backend_compiles_the_blocks_inside_the_engine(
+    accelerate_eager, use_dynamic, dynamic
+):
+    eager = accelerate_eager
+    compiled = run_distributed(accelerate_dynamo, 2, "aot_eager", use_dynamic)[0]
+    assert compiled["dynamic"] is dynamic  # the launcher's value reaches the blocks
+    frames = compiled["frames_after_each_step"]
+    assert frames[0] >= 1 and frames[1] == frames[2], f"recompiled from step to step: {frames}"
     assert eager["compiled_blocks"] == []
     assert compiled["compiled_blocks"] == [
         f"model.layers.{i}" for i in range(len(compiled["compiled_blocks"]))

@@ -110,13 +110,20 @@ def fresh_compile_counts(rank: int, world_size: int, cache_dir: str) -> dict:
     }
 
 
-def accelerate_dynamo(rank: int, world_size: int, backend: str) -> dict:
+def accelerate_dynamo(rank: int, world_size: int, backend: str, use_dynamic: str | None = None) -> dict:
     """Accelerate's own `dynamo_backend` on a ZeroAccelerator (stage 3): three steps of the standard loop;
-    the losses, which blocks the engine compiled (and how often torch compiled), the model class the
-    Accelerator hands back, and what its prepare_model makes of another model."""
+    the losses, the frames Dynamo compiled after each step, which blocks the engine compiled (and how
+    often torch compiled), the model class the Accelerator hands back, and what its prepare_model makes
+    of another model. `use_dynamic`: ACCELERATE_DYNAMO_USE_DYNAMIC as `accelerate launch` exports it
+    (up to Accelerate 1.15 "False" when --dynamo_use_dynamic is not given; from 1.16 unset: None)."""
+    import os
+
     from tests.support.zero_tnlg_cases import debug_model
     from tnlg.accelerate import ZeroAccelerator
 
+    os.environ.pop("ACCELERATE_DYNAMO_USE_DYNAMIC", None)
+    if use_dynamic is not None:
+        os.environ["ACCELERATE_DYNAMO_USE_DYNAMIC"] = use_dynamic
     torch._dynamo.reset()
     counters.clear()
     accelerator = ZeroAccelerator(zero_config=ZeroConfig(stage=3), dynamo_backend=backend)
@@ -124,7 +131,7 @@ def accelerate_dynamo(rank: int, world_size: int, backend: str) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine, optimizer = accelerator.prepare(model, optimizer)
     generator = torch.Generator().manual_seed(7 + rank)
-    losses = []
+    losses, frames = [], []
     for _ in range(3):
         ids = torch.randint(0, 512, (2, 24), generator=generator)
         loss = engine(input_ids=ids, labels=ids).loss
@@ -132,11 +139,14 @@ def accelerate_dynamo(rank: int, world_size: int, backend: str) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(accelerator.reduce(loss.detach(), "mean").item())
+        frames.append(counters["frames"]["total"])
     # Accelerate's own prepare_model (the Trainer's, for an evaluation before training) must not compile
     # the whole model around the engine's blocks.
     other = accelerator.prepare_model(debug_model(), evaluation_mode=True)
     result = {
         "losses": losses,
+        "frames_after_each_step": frames,
+        "dynamic": accelerator.compile_config.dynamic if accelerator.compile_config else None,
         "compiled_blocks": list(engine.compiled_blocks),
         "compile_stats": engine.compile_stats(),
         "graph_breaks": dict(counters["graph_break"]),
