@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import tnlg.run.checkpoint as run_checkpoint
 import tnlg.sharding.checkpoint_storage as checkpoint_storage
+from tests.support.outcomes import raised_or
 from tests.support.parallel_cases import tnlg_batches
 from tests.support.parallel_checkpoint_cases import build, train_data_share
 from tests.support.zero_models import batches, local, make_model, make_optimizer
@@ -71,12 +72,11 @@ def _save(rank: int, world_size: int, root: str, case: str) -> str:
         (checkpointer.root / LATEST).unlink()
         (checkpointer.root / LATEST).mkdir()  # the pointer cannot be replaced by a file
     try:
-        checkpointer.save(2, engine, scheduler, {"batches": 2}, {}, LossCurve())
-    except Exception as error:  # what every rank raised, by type
-        return f"{type(error).__name__}: {error}"
+        return raised_or(
+            lambda: checkpointer.save(2, engine, scheduler, {"batches": 2}, {}, LossCurve()), "saved"
+        )
     finally:
         engine.close()
-    return "saved"
 
 
 @pytest.mark.parametrize(
@@ -115,12 +115,9 @@ def _save_and_load(rank: int, world_size: int, root: str, case: str, tensor: int
         shutil.copytree(shared, seen)
         (seen / "step-00000001" / "scheduler.json").write_text("{")
     try:
-        RunCheckpointer(seen, 2, _Ranks()).load(LATEST, engine, scheduler)
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
+        return raised_or(lambda: RunCheckpointer(seen, 2, _Ranks()).load(LATEST, engine, scheduler), "loaded")
     finally:
         engine.close()
-    return "loaded"
 
 
 @pytest.mark.parametrize(

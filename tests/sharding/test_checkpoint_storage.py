@@ -11,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 import tnlg.sharding.checkpoint_storage as checkpoint_storage
+from tests.support.outcomes import raised_or
 from tests.support.parallel_cases import tnlg_batches
 from tests.support.parallel_checkpoint_cases import build, train_data_share
 from tests.support.zero_models import batches, local, make_model, make_optimizer
@@ -34,11 +35,7 @@ def _save(rank: int, world_size: int, root: str, case: str) -> str:
     loss = engine(*local(batches(1)[0], rank, world_size))
     engine.backward(loss)
     engine.step()
-    try:
-        engine.save_checkpoint("ckpt")
-    except Exception as error:  # what every rank raised, by type
-        return f"{type(error).__name__}: {error}"
-    return "saved"
+    return raised_or(lambda: engine.save_checkpoint("ckpt"), "saved")
 
 
 @pytest.mark.parametrize("case", ["node_local", "node_local_made", "unwritable"])
@@ -72,12 +69,9 @@ def _save_sliced(rank: int, world_size: int, root: str, tensor: int, pipeline: i
         (Path(root) / "ckpt" / unwritable).mkdir(parents=True)
     dist.barrier()  # the obstacle stands before any rank saves
     try:
-        engine.save_checkpoint(Path(root) / "ckpt")
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
+        return raised_or(lambda: engine.save_checkpoint(Path(root) / "ckpt"), "saved")
     finally:
         engine.close()
-    return "saved"
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tests.support.outcomes import raised_or
 from tests.support.parallel_cases import tnlg_batches, tnlg_optimizer
 from tests.support.tensor_parallel_cases import make_model as make_tnlg
 from tests.support.traffic import counted_traffic, unit_sizes
@@ -210,14 +211,6 @@ def schedules_kept(rank: int, world_size: int) -> dict:
     return result
 
 
-def _refusal(attempt) -> str:
-    try:
-        attempt()
-    except Exception as error:  # what each rank raised, by type and message: a timeout is a failure too
-        return f"{type(error).__name__}: {error}"
-    return "accepted"
-
-
 def _micro_batches(ids: torch.Tensor, labels: torch.Tensor, count: int = 2, **extra) -> list[dict]:
     return [
         {"input_ids": i, "labels": t, **extra}
@@ -261,7 +254,7 @@ def mid_schedule_refusals(rank: int, world_size: int) -> dict:
         "one micro-batch": lambda: engine.train_batch(_micro_batches(ids, labels, count=1)),
         "one micro-batch eval": lambda: engine.eval_batch(_micro_batches(ids, labels, count=1)),
     }
-    result = {name: _refusal(attempt) for name, attempt in cases.items()}
+    result = {name: raised_or(attempt, "accepted") for name, attempt in cases.items()}
     # int32 labels are the int64 ones (the loss takes int64 only); then a good step trains on every rank.
     result["int32 labels"] = (
         engine.eval_batch(_micro_batches(ids, labels.int())).item(),
@@ -273,6 +266,8 @@ def mid_schedule_refusals(rank: int, world_size: int) -> dict:
     interleaved = ParallelDims(pipeline=2, virtual_stages=2)
     engine = initialize(model, tnlg_optimizer(model), ZeroConfig(stage=1), parallel=interleaved)
     many_ids, many_labels = (torch.cat([t, t[:1]]) for t in tnlg_batches(1)[0])  # 5 rows
-    result["interleaved 5"] = _refusal(lambda: engine.train_batch(_micro_batches(many_ids, many_labels, 5)))
+    result["interleaved 5"] = raised_or(
+        lambda: engine.train_batch(_micro_batches(many_ids, many_labels, 5)), "accepted"
+    )
     engine.close()
     return result
