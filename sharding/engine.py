@@ -25,6 +25,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .checkpoint import CheckpointError, load_engine, save_engine, tensor_layout
+from .checkpoint_files import read_on_every_rank
+from .checkpoint_storage import write_on_every_rank
 from .collectives import Collectives
 from .compile import CompileClock
 from .config import ZeroConfig
@@ -451,9 +453,14 @@ class ZeroEngine(nn.Module):
                 "micro-steps accumulated): their gradients are not saved; save after the boundary's step()"
             )
         layout = tensor_layout(self.parallel, self.tensor_slices, self.pipeline)
-        first = layout.world.rank == 0 if layout is not None else self.collectives.rank == 0
-        if self.lr_scheduler is not None and first:
-            save_scheduler_state(self.lr_scheduler, Path(directory))  # before the manifest, written last
+        agree = layout.world if layout is not None else self.collectives  # the ranks that save together
+        scheduler, directory = self.lr_scheduler, Path(directory)
+        if scheduler is not None:  # before the manifest, written last; a failure fails every rank
+            write_on_every_rank(
+                agree,
+                directory,
+                lambda: save_scheduler_state(scheduler, directory) if agree.rank == 0 else None,
+            )
         save_engine(self, directory, layout)
 
     def load_checkpoint(self, directory: str | Path, verify: bool = True) -> dict[str, Any]:
@@ -464,7 +471,8 @@ class ZeroEngine(nn.Module):
         layout = tensor_layout(self.parallel, self.tensor_slices, self.pipeline)
         if is_deepspeed_checkpoint(directory):
             return self._load_deepspeed_checkpoint(directory, sliced=layout is not None)
-        schedule = read_scheduler_state(self.lr_scheduler, Path(directory))
+        agree = layout.world if layout is not None else self.collectives
+        schedule = read_on_every_rank(agree, lambda: read_scheduler_state(self.lr_scheduler, Path(directory)))
         manifest = load_engine(self, directory, verify, layout)
         if schedule is not None:
             self.lr_scheduler.load_state_dict(schedule)

@@ -15,12 +15,16 @@ from typing import Any
 
 
 def read_json(path: Path, error: type[Exception], what: str) -> Any:
-    """The JSON value in `path`. A missing file, or one that is not UTF-8 JSON, raises `error` with a
-    message naming the file and `what` it holds (e.g. "the engine manifest")."""
+    """The JSON value in `path`. A missing file, one that cannot be read, or one that is not UTF-8 JSON
+    raises `error` with a message naming the file and `what` it holds (e.g. "the engine manifest")."""
     try:
         return json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise error(f"{path} is missing ({what})") from None
+    except (
+        OSError
+    ) as problem:  # permissions, a directory in its place, a stale handle: as named as a missing one
+        raise error(f"{path} cannot be read ({what}): {type(problem).__name__}: {problem}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as problem:
         raise error(f"{path} is not valid JSON ({problem}): {what} is truncated or damaged") from None
 

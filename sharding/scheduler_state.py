@@ -11,6 +11,7 @@ from typing import Any
 
 from torch.optim.lr_scheduler import LRScheduler
 
+from .checkpoint_files import CheckpointError
 from .json_files import read_json, write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -33,8 +34,8 @@ def read_scheduler_state(scheduler: LRScheduler | None, directory: Path) -> dict
             logger.warning("%s: this engine has no DeepSpeed JSON scheduler to restore it into", path)
         return None
     if not path.is_file():
-        raise ValueError(
+        raise CheckpointError(
             f"{directory} has no {SCHEDULER_FILE}: it was saved by an engine without the DeepSpeed JSON's "
             f"scheduler, and this engine's {type(scheduler).__name__} would restart at step 0"
         )
-    return read_json(path, ValueError, "the DeepSpeed JSON scheduler's state")
+    return read_json(path, CheckpointError, "the DeepSpeed JSON scheduler's state")

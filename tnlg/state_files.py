@@ -72,6 +72,9 @@ def read_rank_state(directory: Path, rank: int) -> dict[str, Any]:
     state = read_checkpoint_json(path)
     if not isinstance(state, dict) or not isinstance(state.get("rng"), dict):
         raise CheckpointError(f'{path} holds no RNG states (expected a JSON object with an "rng" object)')
+    missing = [name for name in ("python", "torch") if name not in state["rng"]]
+    if missing:  # found here, while the ranks agree, rather than by one rank alone when it restores them
+        raise CheckpointError(f'{path} lacks the {" and ".join(missing)} RNG state (its "rng" object)')
     return state
 
 

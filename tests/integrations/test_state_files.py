@@ -136,10 +136,18 @@ def test_a_save_state_directory_of_the_earlier_layout_is_read(tmp_path):
 
 @pytest.mark.parametrize(
     ("content", "message"),
-    [(None, "is missing"), ("{", "not valid JSON"), ('{"step": 1}', "holds no RNG states")],
+    [
+        (None, "is missing"),
+        ("{", "not valid JSON"),
+        ('{"step": 1}', "holds no RNG states"),
+        ('{"step": 1, "rng": {"python": [3, [0], null]}}', "lacks the torch RNG state"),
+        ("a directory", "cannot be read .*IsADirectoryError"),  # an OSError other than a missing file
+    ],
 )
 def test_a_missing_or_damaged_rank_file_is_named(tmp_path, content, message):
-    if content is not None:
+    if content == "a directory":
+        (tmp_path / "rank-00000.json").mkdir()
+    elif content is not None:
         (tmp_path / "rank-00000.json").write_text(content)
     with pytest.raises(CheckpointError, match=message) as raised:
         read_rank_state(tmp_path, 0)

@@ -5,6 +5,7 @@ to go; and a checkpoint replaced at its own step is never missing where `latest`
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -88,8 +89,8 @@ def test_a_crash_while_replacing_a_checkpoint_leaves_latest_leading_to_a_complet
     assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
 
 
-def test_an_older_checkpoint_that_cannot_be_removed_is_an_error_saying_the_new_one_is_saved(
-    tmp_path, monkeypatch
+def test_an_older_checkpoint_that_cannot_be_removed_is_named_and_the_run_goes_on(
+    tmp_path, monkeypatch, caplog
 ):
     _save(tmp_path, 1, 1)
     real_rmtree = shutil.rmtree
@@ -100,10 +101,14 @@ def test_an_older_checkpoint_that_cannot_be_removed_is_an_error_saying_the_new_o
         return real_rmtree(path, ignore_errors=ignore_errors)
 
     monkeypatch.setattr(shutil, "rmtree", rmtree)
-    with pytest.raises(
-        CheckpointError, match=r"step-00000002 is saved .* train.keep_last 1 could not remove"
-    ):
-        _save(tmp_path, 1, 2)
+    with caplog.at_level(logging.WARNING, logger="tnlg.run.checkpoint"):
+        _save(tmp_path, 1, 2)  # housekeeping failing does not fail the save
     monkeypatch.undo()
+    assert "step-00000002 is saved" in caplog.text
+    assert (
+        "train.keep_last 1 could not remove the older" in caplog.text and "Permission denied" in caplog.text
+    )
     assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
     assert _kept(tmp_path) == ["step-00000001", "step-00000002"]
+    _save(tmp_path, 1, 3)  # once it can be, the next save removes it
+    assert _kept(tmp_path) == ["step-00000003"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -60,10 +61,12 @@ def _trained(rank: int, world_size: int, tensor: int = 1):
 def _save(rank: int, world_size: int, root: str, case: str) -> str:
     checkpoint_storage.LATE_FILE_WAIT_S = 1.0  # a failing save waits out its window: short here
     engine, scheduler = _trained(rank, world_size)
-    checkpointer = RunCheckpointer(Path(root) / "shared", 2, _Ranks())
+    os.chdir(root)
+    checkpointer = RunCheckpointer("shared", 2, _Ranks())  # relative: the same path on every rank
     checkpointer.save(1, engine, scheduler, {"batches": 1}, {}, LossCurve())  # a complete one first
     if case == "node_local":  # the same path names a disk of each node's own
-        checkpointer.root = Path(root) / f"node{rank}"
+        (Path(root) / f"node{rank}").mkdir()
+        os.chdir(Path(root) / f"node{rank}")
     if case == "rank_file_full" and rank == 1:
         run_checkpoint.write_rank_state = _full_disk
     if case == "scheduler_full" and rank == 0:
@@ -92,30 +95,41 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path, case, failed_r
     results = run_distributed(_save, 2, str(tmp_path), case)
     for result in results:  # each rank raised, none was left waiting in a collective until a timeout
         assert result.startswith("CheckpointError: saving the checkpoint "), result
+        if case != "node_local":  # that one is found by the engine's check, naming its own directory
+            assert "step-00000002 failed: " in result, result  # named by the checkpoint, not its staging
         assert f"rank {failed_rank} (host " in result and says in result, result
+    shared = tmp_path / "shared"
+    assert not (shared / ".step-00000002.staging").exists()  # a failed save's pieces do not pile up
     if case in ("rank_file_full", "scheduler_full"):  # nothing moved in: `latest` leads to step 1
-        shared = tmp_path / "shared"
         assert not (shared / "step-00000002").exists()
         assert json.loads((shared / LATEST).read_text()) == {"checkpoint": "step-00000001"}
+    if case == "latest_unreplaceable":  # moved in whole, but unnamed; step 1 is kept
+        assert (shared / "step-00000002" / "engine" / "manifest.json").is_file()
+        assert (shared / "step-00000001" / "engine" / "manifest.json").is_file()
 
 
 def _save_and_load(rank: int, world_size: int, root: str, case: str, tensor: int = 1) -> str:
     checkpoint_storage.LATE_FILE_WAIT_S = 1.0
     engine, scheduler = _trained(rank, world_size, tensor)
-    shared = Path(root) / "shared"
-    RunCheckpointer(shared, 2, _Ranks()).save(1, engine, scheduler, {"batches": 1}, {}, LossCurve())
-    # The resume: the last rank's path names a disk that holds nothing (no `latest`), or a checkpoint
-    # without its engine manifest, or a copy whose scheduler file is damaged.
-    last = rank == world_size - 1 and case != "shared"
-    seen = Path(root) / f"node{rank}" if last else shared
-    if last and case == "engine_missing":
-        (seen / "step-00000001").mkdir(parents=True)
-        (seen / LATEST).write_text(json.dumps({"checkpoint": "step-00000001"}))
-    if last and case == "scheduler_damaged":
-        shutil.copytree(shared, seen)
-        (seen / "step-00000001" / "scheduler.json").write_text("{")
+    os.chdir(root)
+    RunCheckpointer("shared", 2, _Ranks()).save(1, engine, scheduler, {"batches": 1}, {}, LossCurve())
+    # The resume, at the same relative path on every rank: the last rank's names a disk of its own that
+    # holds nothing (no `latest`), or a checkpoint without its engine manifest, or a copy whose scheduler
+    # file is damaged.
+    if rank == world_size - 1 and case != "shared":
+        node = Path(root) / f"node{rank}"
+        node.mkdir()
+        if case == "engine_missing":
+            (node / "shared" / "step-00000001").mkdir(parents=True)
+            (node / "shared" / LATEST).write_text(json.dumps({"checkpoint": "step-00000001"}))
+        if case == "scheduler_damaged":
+            shutil.copytree(Path(root) / "shared", node / "shared")
+            (node / "shared" / "step-00000001" / "scheduler.json").write_text("{")
+        os.chdir(node)
     try:
-        return raised_or(lambda: RunCheckpointer(seen, 2, _Ranks()).load(LATEST, engine, scheduler), "loaded")
+        return raised_or(
+            lambda: RunCheckpointer("shared", 2, _Ranks()).load(LATEST, engine, scheduler), "loaded"
+        )
     finally:
         engine.close()
 
@@ -141,4 +155,41 @@ def test_a_resume_that_one_rank_cannot_read_fails_on_every_rank(tmp_path, case, 
 def test_a_shared_save_and_resume_pass_their_checks(tmp_path):
     assert run_distributed(_save, 2, str(tmp_path), "shared") == ["saved", "saved"]
     assert json.loads((tmp_path / "shared" / LATEST).read_text()) == {"checkpoint": "step-00000002"}
+    (tmp_path / "again").mkdir()
     assert run_distributed(_save_and_load, 2, str(tmp_path / "again"), "shared") == ["loaded", "loaded"]
+
+
+def _fallback_where_listings_differ(rank: int, world_size: int, root: str) -> str:
+    """A resume with train.resume_fallback whose `latest` is damaged on every rank, where rank 1 lists an
+    older checkpoint that rank 0 does not (its copy of the directory is stale): every rank tries rank 0's
+    candidates, in its order, so all fail together rather than rank 1 loading alone."""
+    checkpoint_storage.LATE_FILE_WAIT_S = 1.0
+    engine, scheduler = _trained(rank, world_size)
+    os.chdir(root)
+    checkpointer = RunCheckpointer("shared", 1, _Ranks())
+    checkpointer.save(1, engine, scheduler, {"batches": 1}, {}, LossCurve())
+    node = Path(root) / "node1"
+    if rank == 1:
+        shutil.copytree("shared", node / "shared")  # step 1, which the shared directory is about to prune
+    dist.barrier()
+    checkpointer.save(2, engine, scheduler, {"batches": 2}, {}, LossCurve())  # keep_last 1: step 1 goes
+    if rank == 1:
+        shutil.copytree("shared/step-00000002", node / "shared" / "step-00000002")
+        shutil.copy("shared/latest", node / "shared" / "latest")
+    dist.barrier()
+    for disk in (Path(root), node) if rank == 0 else ():
+        (disk / "shared" / "step-00000002" / "scheduler.json").write_text("{")
+    dist.barrier()
+    if rank == 1:
+        os.chdir(node)
+    try:
+        return raised_or(lambda: checkpointer.load(LATEST, engine, scheduler, fallback=True), "loaded")
+    finally:
+        engine.close()
+
+
+def test_a_fallback_tries_the_same_checkpoints_on_every_rank(tmp_path):
+    results = run_distributed(_fallback_where_listings_differ, 2, str(tmp_path))
+    for result in results:
+        assert result.startswith("CheckpointError: rank "), result
+        assert "step-00000002/scheduler.json" in result, result

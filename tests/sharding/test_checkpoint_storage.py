@@ -4,6 +4,7 @@ simulated on one machine: each rank works in a directory of its own and saves to
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -11,9 +12,11 @@ import pytest
 import torch.distributed as dist
 
 import tnlg.sharding.checkpoint_storage as checkpoint_storage
+import tnlg.sharding.engine as engine_module
 from tests.support.outcomes import raised_or
 from tests.support.parallel_cases import tnlg_batches
 from tests.support.parallel_checkpoint_cases import build, train_data_share
+from tests.support.zero_deepspeed_cases import engine_with_schedule, micro_steps
 from tests.support.zero_models import batches, local, make_model, make_optimizer
 from tnlg.sharding import ZeroConfig, initialize
 from tnlg.tools.spawn import run_distributed
@@ -86,4 +89,27 @@ def test_a_part_failing_on_one_rank_fails_the_save_on_every_rank_of_every_part(
     for result in results:  # the other part's ranks too: none waits for the top manifest until a timeout
         assert result.startswith("CheckpointError: saving the checkpoint "), result
         assert "rank 3 (host " in result and "could not write" in result, result
+    assert not (tmp_path / "ckpt" / "manifest.json").exists()
+
+
+def _save_with_schedule(rank: int, world_size: int, root: str) -> str:
+    """A save of an engine with the DeepSpeed JSON's scheduler, rank 0's schedule file failing (a full disk)."""
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    engine = engine_with_schedule()
+    micro_steps(engine, 0, 2)  # one boundary: a checkpoint may be taken
+    if rank == 0:
+        engine_module.save_scheduler_state = full_disk
+    try:
+        return raised_or(lambda: engine.save_checkpoint(Path(root) / "ckpt"), "saved")
+    finally:
+        engine.close()
+
+
+def test_the_schedule_file_failing_on_rank_0_fails_the_save_on_every_rank(tmp_path):
+    for result in run_distributed(_save_with_schedule, 2, str(tmp_path)):
+        assert result.startswith("CheckpointError: saving the checkpoint "), result
+        assert "rank 0 (host " in result and "No space left on device" in result, result
     assert not (tmp_path / "ckpt" / "manifest.json").exists()

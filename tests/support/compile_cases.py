@@ -7,6 +7,7 @@ compiled after each step (a frame compiled again is a recompilation).
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -116,8 +117,6 @@ def accelerate_dynamo(rank: int, world_size: int, backend: str, use_dynamic: str
     often torch compiled), the model class the Accelerator hands back, and what its prepare_model makes
     of another model. `use_dynamic`: ACCELERATE_DYNAMO_USE_DYNAMIC as `accelerate launch` exports it
     (up to Accelerate 1.15 "False" when --dynamo_use_dynamic is not given; from 1.16 unset: None)."""
-    import os
-
     from tests.support.zero_tnlg_cases import debug_model
     from tnlg.accelerate import ZeroAccelerator
 

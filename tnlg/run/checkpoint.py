@@ -248,9 +248,10 @@ class RunCheckpointer:
     def save(self, step: int, engine, scheduler, data_state: dict, config: dict, curve: LossCurve) -> Path:
         """Collective: every rank writes its part; returns the checkpoint directory. Each step is agreed
         over the world, as the engine's own save is ([Note: shared checkpoint storage]): a write that fails
-        on one rank (disk full, a directory it cannot see) raises on every rank, naming it, rather than
-        leaving the others waiting in the next collective; the checkpoint is then not in place and
-        `latest` still names the previous one."""
+        on one rank (disk full, a directory it cannot see) raises a CheckpointError on every rank, naming
+        it, rather than leaving the others waiting in the next collective. `latest` then still leads to
+        the previous checkpoint: a failure before the rename leaves the new one out of place (its staging
+        directory removed), one while `latest` is replaced leaves it in place, complete, and unnamed."""
         main = self.accelerator.is_main_process
         world = Collectives()
         name = f"step-{step:08d}"
@@ -268,11 +269,17 @@ class RunCheckpointer:
                 write_json(staging / "config.json", config)
                 write_json(staging / CURVE_FILE, curve.state_dict())  # a resumed run's curve starts with it
 
-        write_on_every_rank(world, staging, make_staging)
-        engine.save_checkpoint(engine_directory(staging))  # collective; checks that every rank shares it
-        write_on_every_rank(world, staging, write_run_state)
-        write_on_every_rank(world, final, lambda: self._replace(final, staging) if main else None)
-        read_on_every_rank(world, lambda: self._prune(final) if main else None)
+        try:
+            write_on_every_rank(world, final, make_staging)
+            engine.save_checkpoint(engine_directory(staging))  # collective; checks that every rank shares it
+            write_on_every_rank(world, final, write_run_state)
+            write_on_every_rank(world, final, lambda: self._replace(final, staging) if main else None)
+        except CheckpointError:
+            if main:  # a failed save's pieces would pile up beside the checkpoints on a disk that may be full
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        if main:
+            self._prune(final)
         return final
 
     def _replace(self, final: Path, staging: Path) -> None:
@@ -294,8 +301,14 @@ class RunCheckpointer:
     def load(self, which: str, engine, scheduler, fallback: bool = False) -> dict[str, Any]:
         """Restore `which` (`latest` or a directory); with `fallback`, a damaged `latest` gives way to the
         newest older checkpoint that loads (each failure is logged with its reason)."""
-        path = read_on_every_rank(Collectives(), lambda: self.resolve(which))  # a rank seeing none fails all
-        candidates = resume_candidates(self.root, path, fallback and which == LATEST)
+        agree = Collectives()
+
+        def choose() -> list[Path]:
+            return resume_candidates(self.root, self.resolve(which), fallback and which == LATEST)
+
+        # A rank that finds none fails every rank; then every rank tries rank 0's list, in its order (a
+        # rank listing the directory otherwise, a stale cache, would leave the fallback out of step).
+        candidates = agree.all_gather_object(read_on_every_rank(agree, choose))[0]
         for index, candidate in enumerate(candidates):
             try:
                 return self._load(candidate, engine, scheduler)
@@ -400,8 +413,9 @@ class RunCheckpointer:
         for old in (earlier + abandoned)[self.keep_last - 1 :]:
             try:
                 shutil.rmtree(old)
-            except OSError as error:  # the save itself stands: say so, and that keep_last was not applied
-                raise CheckpointError(
-                    f"{written} is saved and {self.root / LATEST} names it, but train.keep_last "
-                    f"{self.keep_last} could not remove the older {old}: {type(error).__name__}: {error}"
-                ) from error
+            except OSError as error:  # housekeeping: the run goes on, saying that keep_last is not applied
+                logger.warning(
+                    "%s is saved and %s names it, but train.keep_last %d could not remove the older %s "
+                    "(%s: %s): it stays until a later save can remove it",
+                    written, self.root / LATEST, self.keep_last, old, type(error).__name__, error,
+                )  # fmt: skip
