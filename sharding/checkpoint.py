@@ -244,6 +244,12 @@ def tensor_layout(parallel: Any, tensor_slices: dict[str, Any], pipeline: Any = 
     )
 
 
+def agreeing_ranks(engine: EngineState, tensor: TensorLayout | None) -> Collectives:
+    """The ranks that agree on a checkpoint's every write and read: the world with tensor slicing or
+    stages (each part's data group writes only its part), else the engine's data group."""
+    return tensor.world if tensor is not None else engine.collectives
+
+
 def save_engine(engine: EngineState, directory: str | Path, tensor: TensorLayout | None = None) -> None:
     """Every rank writes its shard into `directory`; rank 0 writes the manifest last. Collective (over the
     world with `tensor` slicing or stages: each (pipeline rank, tensor rank)'s data group writes its
@@ -452,7 +458,7 @@ def load_engine(
     `CheckpointError` on every rank (no rank is left waiting in a collective) and leaves the engine as
     it was."""
     directory = Path(directory)
-    agree = tensor.world if tensor is not None else engine.collectives
+    agree = agreeing_ranks(engine, tensor)
     group_names = _model_group_names(engine, tensor)
     manifest, loaded, saved = read_on_every_rank(
         agree, lambda: _read_shard(engine, directory, verify, tensor, agree, group_names)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .checkpoint import CheckpointError, load_engine, save_engine, tensor_layout
+from .checkpoint import CheckpointError, agreeing_ranks, load_engine, save_engine, tensor_layout
 from .checkpoint_files import read_on_every_rank
 from .checkpoint_storage import write_on_every_rank
 from .collectives import Collectives
@@ -453,7 +453,7 @@ class ZeroEngine(nn.Module):
                 "micro-steps accumulated): their gradients are not saved; save after the boundary's step()"
             )
         layout = tensor_layout(self.parallel, self.tensor_slices, self.pipeline)
-        agree = layout.world if layout is not None else self.collectives  # the ranks that save together
+        agree = agreeing_ranks(self, layout)
         scheduler, directory = self.lr_scheduler, Path(directory)
         if scheduler is not None:  # before the manifest, written last; a failure fails every rank
             write_on_every_rank(
@@ -471,8 +471,9 @@ class ZeroEngine(nn.Module):
         layout = tensor_layout(self.parallel, self.tensor_slices, self.pipeline)
         if is_deepspeed_checkpoint(directory):
             return self._load_deepspeed_checkpoint(directory, sliced=layout is not None)
-        agree = layout.world if layout is not None else self.collectives
-        schedule = read_on_every_rank(agree, lambda: read_scheduler_state(self.lr_scheduler, Path(directory)))
+        schedule = read_on_every_rank(
+            agreeing_ranks(self, layout), lambda: read_scheduler_state(self.lr_scheduler, Path(directory))
+        )
         manifest = load_engine(self, directory, verify, layout)
         if schedule is not None:
             self.lr_scheduler.load_state_dict(schedule)

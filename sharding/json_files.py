@@ -21,9 +21,7 @@ def read_json(path: Path, error: type[Exception], what: str) -> Any:
         return json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise error(f"{path} is missing ({what})") from None
-    except (
-        OSError
-    ) as problem:  # permissions, a directory in its place, a stale handle: as named as a missing one
+    except OSError as problem:  # permissions, a directory in its place: named as a missing one is
         raise error(f"{path} cannot be read ({what}): {type(problem).__name__}: {problem}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as problem:
         raise error(f"{path} is not valid JSON ({problem}): {what} is truncated or damaged") from None
