@@ -70,17 +70,7 @@ def test_an_uninterrupted_run_keeps_its_newest_checkpoints(tmp_path):
 
 def test_a_crash_while_replacing_a_checkpoint_leaves_latest_leading_to_a_complete_one(tmp_path, monkeypatch):
     _save(tmp_path, 2, 2)
-    real_rename = Path.rename
-
-    def rename(self: Path, target: Path) -> Path:
-        if self.name.endswith(".staging"):  # the process dies before the new checkpoint is in place
-            raise OSError("killed")
-        return real_rename(self, target)
-
-    monkeypatch.setattr(Path, "rename", rename)
-    with pytest.raises(CheckpointError, match="could not write: OSError: killed"):
-        _save(tmp_path, 2, 2)  # a resumed run saving step 2 again
-    monkeypatch.undo()
+    _crash_between_the_renames(tmp_path, monkeypatch, 2)  # a resumed run saving step 2 again
     assert json.loads((tmp_path / LATEST).read_text()) == {"checkpoint": "step-00000002"}
     previous = latest_checkpoint(tmp_path)
     assert _saved_step(previous) == 2 and (previous / "rank-00000.json").is_file()
@@ -112,3 +102,56 @@ def test_an_older_checkpoint_that_cannot_be_removed_is_named_and_the_run_goes_on
     assert _kept(tmp_path) == ["step-00000001", "step-00000002"]
     _save(tmp_path, 1, 3)  # once it can be, the next save removes it
     assert _kept(tmp_path) == ["step-00000003"]
+
+
+def _crash_between_the_renames(root: Path, monkeypatch, step: int) -> None:
+    """Save `step` again and stop after the previous version is set aside, before its successor moves in."""
+    real_rename = Path.rename
+
+    def rename(self: Path, target: Path) -> Path:
+        if self.name.endswith(".staging"):  # the process dies before the new checkpoint is in place
+            raise OSError("killed")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(CheckpointError, match="could not write: OSError: killed"):
+        _save(root, 2, step)
+    monkeypatch.undo()
+
+
+def test_a_checkpoint_set_aside_by_a_stopped_save_returns_at_the_next_save(tmp_path, monkeypatch):
+    """The version set aside is the only copy of its step: the run resumed from it saves a later step,
+    and it takes its place among the kept checkpoints again instead of staying hidden for good."""
+    _save(tmp_path, 2, 2)
+    _crash_between_the_renames(tmp_path, monkeypatch, 2)
+    assert (tmp_path / ".step-00000002.replaced").is_dir() and not (tmp_path / "step-00000002").exists()
+    _save(tmp_path, 2, 4)  # the run resumed from the set-aside step 2 goes on to step 4
+    assert _kept(tmp_path) == ["step-00000002", "step-00000004"]
+    assert _saved_step(tmp_path / "step-00000002") == 2
+    _save(tmp_path, 2, 6)  # and keep_last prunes it in its turn
+    assert _kept(tmp_path) == ["step-00000004", "step-00000006"]
+
+
+def test_a_stopped_save_at_the_same_step_keeps_the_only_copy_until_its_successor_is_in(tmp_path, monkeypatch):
+    """Saving again the step whose previous version a stopped save set aside: that version is what `latest`
+    leads to, so it is not deleted before the new one is in place (a crash in between would leave `latest`
+    leading nowhere)."""
+    _save(tmp_path, 2, 2)
+    _crash_between_the_renames(tmp_path, monkeypatch, 2)
+    _crash_between_the_renames(tmp_path, monkeypatch, 2)  # the resumed run stops again at the same point
+    previous = latest_checkpoint(tmp_path)
+    assert previous == tmp_path / ".step-00000002.replaced" and _saved_step(previous) == 2
+    _save(tmp_path, 2, 2)
+    assert _kept(tmp_path) == ["step-00000002"]
+
+
+def test_the_staging_directory_of_a_killed_save_is_removed_by_the_next_save(tmp_path, caplog):
+    """A process killed while writing (no exception to clean up after) leaves its staging directory, a
+    partial checkpoint as large as a whole one; the next completed save removes it, saying so."""
+    _save(tmp_path, 2, 2)
+    killed = tmp_path / ".step-00000003.staging"
+    (killed / "engine").mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, logger="tnlg.run.checkpoint"):
+        _save(tmp_path, 2, 4)
+    assert _kept(tmp_path) == ["step-00000002", "step-00000004"]
+    assert f"removed {killed}" in caplog.text

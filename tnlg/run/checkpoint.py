@@ -10,7 +10,8 @@
 A checkpoint is written into a hidden staging directory and renamed into place once every rank
 has finished, then `latest` is replaced atomically: a crash mid-save leaves the previous
 checkpoint complete and selected (a checkpoint replaced at the same step is renamed aside, not deleted,
-until its successor is in place). `keep_last` checkpoints are kept: the one just written, then the
+until its successor is in place), and the next completed save tidies what it left (a partial staging
+directory is removed, a checkpoint set aside and not replaced is renamed back). `keep_last` checkpoints are kept: the one just written, then the
 newest of the steps before it; the steps after it, left by a run resumed from an earlier checkpoint,
 belong to the abandoned timeline and go first. JSON and safetensors only.
 The engine directory and the rank and scheduler files are laid out as in `ZeroAccelerator.save_state`
@@ -51,6 +52,7 @@ from tnlg.state_files import (
 logger = logging.getLogger(__name__)
 LATEST = "latest"
 REPLACED = ".replaced"  # suffix of a checkpoint renamed aside while its successor at the same step moves in
+STAGING = ".staging"  # suffix of the hidden directory a checkpoint is written into before it moves in
 CURVE_FILE = "loss_curve.json"  # the run's curve up to the checkpoint's step
 
 
@@ -255,7 +257,7 @@ class RunCheckpointer:
         main = self.accelerator.is_main_process
         world = Collectives()
         name = f"step-{step:08d}"
-        staging, final = self.root / f".{name}.staging", self.root / name
+        staging, final = self.root / f".{name}{STAGING}", self.root / name
 
         def make_staging() -> None:
             if main:
@@ -279,6 +281,7 @@ class RunCheckpointer:
                 shutil.rmtree(staging, ignore_errors=True)
             raise
         if main:
+            self._tidy_stopped_saves()
             self._prune(final)
         return final
 
@@ -287,9 +290,11 @@ class RunCheckpointer:
         (a resumed run saving a step again) is renamed aside first and deleted last, so that a crash at
         any point leaves a complete checkpoint where `latest` leads (see `_present_or_set_aside`)."""
         aside = _set_aside(final)
-        shutil.rmtree(aside, ignore_errors=True)  # left by an earlier save that stopped
-        if final.exists():
+        if final.exists():  # then an aside left by an earlier save that stopped is superseded by `final`
+            shutil.rmtree(aside, ignore_errors=True)
             final.rename(aside)
+        # else an aside left by a save that stopped between the renames is the copy `latest` leads to: it
+        # stays until its successor is in place
         staging.rename(final)
         write_json_atomic(self.root / LATEST, {"checkpoint": final.name})
         shutil.rmtree(aside, ignore_errors=True)
@@ -401,6 +406,38 @@ class RunCheckpointer:
                 f"{', '.join(missing)}; it is incomplete"
             )
         return world, layout
+
+    def _tidy_stopped_saves(self) -> None:
+        """What saves stopped without an exception to clean up after (a killed process) left hidden beside
+        the checkpoints, once `latest` names a new one: a staging directory, a partial checkpoint as large
+        as a whole one, is removed; a checkpoint set aside between `_replace`'s renames is renamed back when
+        nothing took its place (it is complete and the only copy of its step: keep_last then counts it)
+        and removed when its successor did. Housekeeping: a failure is logged and the run goes on."""
+        for staging in self.root.glob(f".step-*{STAGING}"):
+            self._remove_left_over(staging, "a save that stopped while writing it")
+        for aside in self.root.glob(f".step-*{REPLACED}"):
+            original = self.root / aside.name[1 : -len(REPLACED)]
+            if original.exists():
+                self._remove_left_over(
+                    aside, f"a save that stopped before deleting it ({original.name} replaced it)"
+                )
+                continue
+            try:
+                aside.rename(original)
+            except OSError as error:
+                logger.warning("could not rename %s back to %s (%s: %s)", aside, original, type(error).__name__,
+                               error)  # fmt: skip
+            else:
+                logger.info("%s, set aside by a save that stopped, is back as %s", aside.name, original)
+
+    @staticmethod
+    def _remove_left_over(path: Path, why: str) -> None:
+        try:
+            shutil.rmtree(path)
+        except OSError as error:
+            logger.warning("could not remove %s, left by %s (%s: %s)", path, why, type(error).__name__, error)
+        else:
+            logger.warning("removed %s, left by %s", path, why)
 
     def _prune(self, written: Path) -> None:
         """Keep `keep_last` checkpoints: `written` (which `latest` names), then the newest steps before
