@@ -497,16 +497,21 @@ class SavedCheckpoint:
 
 
 def read_on_every_rank(collectives: Collectives, read: Callable[[], T]) -> T:
-    """`read()` on this rank, then agree: if it raised `CheckpointError` on any rank, every rank
-    raises that error (naming the rank), so none is left waiting in a later collective."""
+    """`read()` on this rank, then agree: if it raised on any rank, every rank raises a `CheckpointError`
+    with that error (naming the rank; the original chained on its own), so none is left waiting in a
+    later collective. Any exception, not only a `CheckpointError`: every rank then takes the same way
+    on (a load's fallback to an older checkpoint catches CheckpointError; a rank raising another type
+    would leave while the others fell back)."""
     try:
-        result, failure = read(), None
-    except CheckpointError as error:
-        result = None
-        failure = f"rank {collectives.rank}: {error}" if collectives.world_size > 1 else str(error)
+        result, failure, raised = read(), None, None
+    except Exception as error:
+        text = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+        result, raised = None, error
+        failure = f"rank {collectives.rank}: {text}" if collectives.world_size > 1 else text
     failures = [f for f in collectives.all_gather_object(failure) if f is not None]
     if failures:
-        raise CheckpointError(
+        agreed = CheckpointError(
             failures[0] + (f" (and {len(failures) - 1} more ranks failed)" if len(failures) > 1 else "")
         )
+        raise agreed from raised
     return result

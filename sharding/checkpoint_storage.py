@@ -10,8 +10,8 @@ next collective until the process group's timeout. So every step of a save is ag
 that save together (the world with tensor slicing or stages):
 
 - after the directory is made, every rank sees it;
-- a write that fails on one rank (disk full, permissions, a directory it cannot see) fails on every
-  rank, naming that rank and its host, before the next collective;
+- a write that fails on one rank (disk full, permissions, a directory it cannot see, a state that
+  cannot be serialized) fails on every rank, naming that rank and its host, before the next collective;
 - after the manifest is written, every rank reads the bytes rank 0 wrote (their sha256): a directory
   present on every node but not shared is found at the save. When a rank does not, rank 0 removes the
   manifest, so the save is never taken for whole on the node that holds it.
@@ -64,12 +64,22 @@ def _agree(agree: Collectives, failure: str | None, directory: Path) -> None:
 
 
 def write_on_every_rank(agree: Collectives, directory: Path, write: Callable[[], T]) -> T:
-    """`write()` on this rank, then agree: a file error on any rank is raised on every rank."""
+    """`write()` on this rank, then agree: whatever it raised on any rank is raised on every rank as a
+    CheckpointError naming that rank, the original chained on its own. Not only file errors: a state
+    that cannot be serialized (a scheduler's or a hook's TypeError) on one rank otherwise left the
+    others waiting in the save's next collective until the process group's timeout."""
     try:
-        return_value, failure = write(), None
+        return_value, failure, raised = write(), None, None
     except _WRITE_ERRORS as error:
-        return_value, failure = None, f"could not write: {type(error).__name__}: {error}"
-    _agree(agree, failure, directory)
+        return_value, failure, raised = None, f"could not write: {type(error).__name__}: {error}", error
+    except Exception as error:
+        return_value, failure, raised = None, f"raised {type(error).__name__}: {error}", error
+    try:
+        _agree(agree, failure, directory)
+    except CheckpointError as agreed:
+        if raised is not None:
+            raise agreed from raised
+        raise
     return return_value  # type: ignore[return-value]
 
 

@@ -658,17 +658,9 @@ class ZeroAccelerator(Accelerator):
 
     def _on_every_rank(self, work: Callable[[], T]) -> T:
         """`work()` on this process, then every process agrees it succeeded everywhere (over the world, not
-        the engine's data group): a failure on one raises on all, so none is left waiting in a collective."""
-
-        def checked() -> T:
-            try:
-                return work()
-            except CheckpointError:
-                raise
-            except Exception as error:  # a user's hook or state_dict: any failure must reach every rank
-                raise CheckpointError(f"{type(error).__name__}: {error}") from error
-
-        return read_on_every_rank(Collectives(), checked)
+        the engine's data group): a failure on one (a user's hook or state_dict included) raises on all, so
+        none is left waiting in a collective."""
+        return read_on_every_rank(Collectives(), work)
 
     def save_model(
         self,

@@ -43,6 +43,14 @@ def _full_disk(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
+def _unserializable(*args, **kwargs):
+    raise TypeError("Object of type Tensor is not JSON serializable")  # a scheduler's state, say
+
+
+def _malformed(*args, **kwargs):
+    raise KeyError("rng")  # a rank file a damaged or foreign tool wrote, read by code that trusts its keys
+
+
 def _trained(rank: int, world_size: int, tensor: int = 1):
     """An engine after one step: the ZeRO test model, or with `tensor` > 1 the tiny TNLG model sliced
     `tensor` ways (data parallel over the rest)."""
@@ -71,6 +79,8 @@ def _save(rank: int, world_size: int, root: str, case: str) -> str:
         run_checkpoint.write_rank_state = _full_disk
     if case == "scheduler_full" and rank == 0:
         run_checkpoint.write_scheduler_states = _full_disk
+    if case == "scheduler_unserializable" and rank == 0:  # not a file error: the others waited for rank 0
+        run_checkpoint.write_scheduler_states = _unserializable
     if case == "latest_unreplaceable" and rank == 0:
         (checkpointer.root / LATEST).unlink()
         (checkpointer.root / LATEST).mkdir()  # the pointer cannot be replaced by a file
@@ -87,6 +97,7 @@ def _save(rank: int, world_size: int, root: str, case: str) -> str:
     [
         ("rank_file_full", 1, "No space left on device"),
         ("scheduler_full", 0, "No space left on device"),
+        ("scheduler_unserializable", 0, "raised TypeError: Object of type Tensor is not JSON serializable"),
         ("latest_unreplaceable", 0, "could not write: IsADirectoryError"),
         ("node_local", 1, "does not see the directory"),
     ],
@@ -100,10 +111,11 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path, case, failed_r
         assert f"rank {failed_rank} (host " in result and says in result, result
     shared = tmp_path / "shared"
     assert not (shared / ".step-00000002.staging").exists()  # a failed save's pieces do not pile up
-    if case in ("rank_file_full", "scheduler_full"):  # nothing moved in: `latest` leads to step 1
+    # Nothing moved in (node_local: not to this disk), so `latest` leads to step 1; or it moved in unnamed.
+    if case != "latest_unreplaceable":
         assert not (shared / "step-00000002").exists()
         assert json.loads((shared / LATEST).read_text()) == {"checkpoint": "step-00000001"}
-    if case == "latest_unreplaceable":  # moved in whole, but unnamed; step 1 is kept
+    else:  # moved in whole, but unnamed; step 1 is kept
         assert (shared / "step-00000002" / "engine" / "manifest.json").is_file()
         assert (shared / "step-00000001" / "engine" / "manifest.json").is_file()
 
@@ -115,8 +127,9 @@ def _save_and_load(rank: int, world_size: int, root: str, case: str, tensor: int
     RunCheckpointer("shared", 2, _Ranks()).save(1, engine, scheduler, {"batches": 1}, {}, LossCurve())
     # The resume, at the same relative path on every rank: the last rank's names a disk of its own that
     # holds nothing (no `latest`), or a checkpoint without its engine manifest, or a copy whose scheduler
-    # file is damaged.
-    if rank == world_size - 1 and case != "shared":
+    # file is damaged; or it reads the shared checkpoint with code that raises another error than a
+    # CheckpointError.
+    if rank == world_size - 1 and case in ("no_latest", "engine_missing", "scheduler_damaged"):
         node = Path(root) / f"node{rank}"
         node.mkdir()
         if case == "engine_missing":
@@ -126,6 +139,8 @@ def _save_and_load(rank: int, world_size: int, root: str, case: str, tensor: int
             shutil.copytree(Path(root) / "shared", node / "shared")
             (node / "shared" / "step-00000001" / "scheduler.json").write_text("{")
         os.chdir(node)
+    if rank == world_size - 1 and case == "rank_state_malformed":  # not a CheckpointError: the others waited
+        run_checkpoint.read_rank_state = _malformed
     try:
         return raised_or(
             lambda: RunCheckpointer("shared", 2, _Ranks()).load(LATEST, engine, scheduler), "loaded"
@@ -142,6 +157,7 @@ def _save_and_load(rank: int, world_size: int, root: str, case: str, tensor: int
         ("scheduler_damaged", 1, "scheduler.json"),
         # the world, not the engine's data group: the other tensor rank's group must not wait in the load
         ("scheduler_damaged", 2, "scheduler.json"),
+        ("rank_state_malformed", 1, "KeyError: 'rng'"),
     ],
 )
 def test_a_resume_that_one_rank_cannot_read_fails_on_every_rank(tmp_path, case, tensor, says):

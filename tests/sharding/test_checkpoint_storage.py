@@ -92,24 +92,39 @@ def test_a_part_failing_on_one_rank_fails_the_save_on_every_rank_of_every_part(
     assert not (tmp_path / "ckpt" / "manifest.json").exists()
 
 
-def _save_with_schedule(rank: int, world_size: int, root: str) -> str:
-    """A save of an engine with the DeepSpeed JSON's scheduler, rank 0's schedule file failing (a full disk)."""
+def _full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
 
-    def full_disk(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
 
+def _unserializable(*args, **kwargs):
+    raise TypeError("Object of type Tensor is not JSON serializable")  # a state json cannot write
+
+
+_SCHEDULE_FAILURES = {"full_disk": _full_disk, "unserializable": _unserializable}
+
+
+def _save_with_schedule(rank: int, world_size: int, root: str, failure: str) -> str:
+    """A save of an engine with the DeepSpeed JSON's scheduler, rank 0's schedule file failing: a full disk,
+    or a state that cannot be serialized (not a file error)."""
     engine = engine_with_schedule()
     micro_steps(engine, 0, 2)  # one boundary: a checkpoint may be taken
     if rank == 0:
-        engine_module.save_scheduler_state = full_disk
+        engine_module.save_scheduler_state = _SCHEDULE_FAILURES[failure]
     try:
         return raised_or(lambda: engine.save_checkpoint(Path(root) / "ckpt"), "saved")
     finally:
         engine.close()
 
 
-def test_the_schedule_file_failing_on_rank_0_fails_the_save_on_every_rank(tmp_path):
-    for result in run_distributed(_save_with_schedule, 2, str(tmp_path)):
+@pytest.mark.parametrize(
+    ("failure", "says"),
+    [
+        ("full_disk", "could not write: OSError: [Errno 28] No space left on device"),
+        ("unserializable", "raised TypeError: Object of type Tensor is not JSON serializable"),
+    ],
+)
+def test_the_schedule_file_failing_on_rank_0_fails_the_save_on_every_rank(tmp_path, failure, says):
+    for result in run_distributed(_save_with_schedule, 2, str(tmp_path), failure):
         assert result.startswith("CheckpointError: saving the checkpoint "), result
-        assert "rank 0 (host " in result and "No space left on device" in result, result
+        assert "rank 0 (host " in result and says in result, result
     assert not (tmp_path / "ckpt" / "manifest.json").exists()
