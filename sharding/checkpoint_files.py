@@ -1,12 +1,13 @@
 """Reading engine checkpoints: the manifests and their checks, the rank files' slices of any parameter at
 any tensor degree (`SavedCheckpoint`), and `read_on_every_rank`, which makes the ranks agree on a read
-error. The format is described in checkpoint.py ([Note: reshaping], [Note: sliced checkpoints]), which
+error (or on another failure: [Note: agreed failures]). The format is described in checkpoint.py ([Note: reshaping], [Note: sliced checkpoints]), which
 saves and loads engines and re-exports these names.
 """
 
 from __future__ import annotations
 
 import re
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from safetensors import SafetensorError
 
 # One reader of safetensors files for every checkpoint kind (errors that name the file, one hashing
 # routine); the package `tnlg.modeling` is always imported before this one, by `tnlg` itself.
@@ -496,22 +498,88 @@ class SavedCheckpoint:
         ]
 
 
+# [Note: agreed failures]
+# The ranks of a checkpoint step agree on its outcome, so that a failure on one is raised on all and none
+# waits in the next collective until the group's timeout. What they raise depends on what failed:
+# - the checkpoint or its storage (a CheckpointError, a file error: OSError, SafetensorError): a
+#   CheckpointError on every rank, naming the rank, the original chained on its own. A load's fallback
+#   catches it and every rank tries the next checkpoint together; a script reports it as bad input;
+# - anything else (a bug: TypeError, KeyError, AttributeError; out of memory): the rank that raised it
+#   raises it again, its type and traceback kept, and every other rank a RankFailedError naming it and
+#   where it was raised. Not a CheckpointError (a ValueError): a bug is neither taken for a damaged
+#   checkpoint, which the fallback would skip for an older one, nor reported as input to correct.
+STORAGE_ERRORS = (CheckpointError, OSError, SafetensorError)
+
+
+class RankFailedError(RuntimeError):
+    """Another rank raised an error that is not the checkpoint's or its storage's while the ranks agreed
+    on a checkpoint step (see [Note: agreed failures]); that rank raised the error itself."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What one rank raised during an agreed checkpoint step, as every rank receives it."""
+
+    rank: int
+    text: str
+    storage: bool  # the checkpoint's or its storage's (see [Note: agreed failures])
+
+
+def failure_of(rank: int, error: Exception | None) -> RankFailure | None:
+    """`error` as the other ranks are told of it (None: it did not fail)."""
+    if error is None:
+        return None
+    if isinstance(error, CheckpointError):
+        return RankFailure(rank, str(error), True)
+    if isinstance(error, STORAGE_ERRORS):
+        return RankFailure(rank, f"{type(error).__name__}: {error}", True)
+    return RankFailure(rank, raised_where(error), False)
+
+
+def raised_where(error: Exception) -> str:
+    """`error` with where it was raised: the message of a bug may name no file (`KeyError: 'rng'`)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = (
+        f" (raised at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})"
+        if frames
+        else ""
+    )
+    return f"{type(error).__name__}: {error}{where}"
+
+
+def raise_agreed(
+    own: Exception | None, failures: list[RankFailure], describe: Callable[[RankFailure, int], str]
+) -> None:
+    """Raise on this rank what the ranks agreed on (see [Note: agreed failures]); nothing when `failures`,
+    every rank's, is empty. `describe(cause, others)` words the failure of the rank named first: the
+    first that is not the storage's when there is one, with `others` more ranks that failed."""
+    if not failures:
+        return
+    bugs = [failure for failure in failures if not failure.storage]
+    cause = (bugs or failures)[0]
+    message = describe(cause, len(failures) - 1)
+    if not bugs:
+        raise CheckpointError(message) from own
+    if own is not None and not isinstance(own, STORAGE_ERRORS):
+        raise own
+    raise RankFailedError(message) from own
+
+
 def read_on_every_rank(collectives: Collectives, read: Callable[[], T]) -> T:
-    """`read()` on this rank, then agree: if it raised on any rank, every rank raises a `CheckpointError`
-    with that error (naming the rank; the original chained on its own), so none is left waiting in a
-    later collective. Any exception, not only a `CheckpointError`: every rank then takes the same way
-    on (a load's fallback to an older checkpoint catches CheckpointError; a rank raising another type
-    would leave while the others fell back)."""
+    """`read()` on this rank, then agree: if it raised on any rank, every rank raises (a CheckpointError
+    naming the rank for a damaged or missing checkpoint, see [Note: agreed failures]), so none is left
+    waiting in a later collective."""
     try:
-        result, failure, raised = read(), None, None
+        result, raised = read(), None
     except Exception as error:
-        text = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
         result, raised = None, error
-        failure = f"rank {collectives.rank}: {text}" if collectives.world_size > 1 else text
-    failures = [f for f in collectives.all_gather_object(failure) if f is not None]
-    if failures:
-        agreed = CheckpointError(
-            failures[0] + (f" (and {len(failures) - 1} more ranks failed)" if len(failures) > 1 else "")
-        )
-        raise agreed from raised
-    return result
+    failures = [
+        f for f in collectives.all_gather_object(failure_of(collectives.rank, raised)) if f is not None
+    ]
+
+    def describe(cause: RankFailure, others: int) -> str:
+        text = f"rank {cause.rank}: {cause.text}" if collectives.world_size > 1 else cause.text
+        return text + (f" (and {others} more ranks failed)" if others else "")
+
+    raise_agreed(raised, failures, describe)
+    return result  # type: ignore[return-value]

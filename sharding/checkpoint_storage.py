@@ -29,57 +29,63 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch.distributed as dist
-from safetensors import SafetensorError
 
 from tnlg.modeling.loading import sha256_of
 
-from .checkpoint_files import CheckpointError
+from .checkpoint_files import STORAGE_ERRORS, CheckpointError, RankFailure, raise_agreed, raised_where
 from .collectives import Collectives
 
 __all__ = ["LATE_FILE_WAIT_S", "check_directory_shared", "check_manifest_shared", "write_on_every_rank"]
 
 T = TypeVar("T")
 LATE_FILE_WAIT_S = 60.0
-_WRITE_ERRORS = (OSError, SafetensorError, CheckpointError)
 
 
 def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _agree(agree: Collectives, failure: str | None, directory: Path) -> None:
-    """Gather every rank's failure (None: none) with its global rank and host; raise on every rank when
-    any failed, naming the first and rank 0's host."""
-    reports = agree.all_gather_object((_global_rank(), socket.gethostname(), failure))
-    failed = [(rank, host, text) for rank, host, text in reports if text is not None]
-    if not failed:
-        return
-    rank, host, text = failed[0]
-    more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
-    first_host = reports[0][1]
-    raise CheckpointError(
-        f"saving the checkpoint {directory} failed: rank {rank} (host {host}) {text}{more}; the ranks' "
-        f"first one is on host {first_host}"
-    )
+def _check_failure(text: str | None) -> RankFailure | None:
+    """A storage check's failure on this rank (None: it holds)."""
+    return None if text is None else RankFailure(_global_rank(), text, True)
+
+
+def _write_failure(error: Exception) -> RankFailure:
+    """What a write raised on this rank, as the other ranks are told of it."""
+    rank = _global_rank()
+    if isinstance(error, STORAGE_ERRORS):
+        return RankFailure(rank, f"could not write: {type(error).__name__}: {error}", True)
+    return RankFailure(rank, f"raised {raised_where(error)}", False)
+
+
+def _agree(
+    agree: Collectives, failure: RankFailure | None, directory: Path, own: Exception | None = None
+) -> None:
+    """Gather every rank's failure (None: none) with its host; raise on every rank when any failed,
+    naming the first (see [Note: agreed failures]) and rank 0's host. `own`: what this rank raised."""
+    reports = agree.all_gather_object((socket.gethostname(), failure))
+    hosts = {report.rank: host for host, report in reports if report is not None}
+
+    def describe(cause: RankFailure, others: int) -> str:
+        more = f" (and {others} more ranks)" if others else ""
+        return (
+            f"saving the checkpoint {directory} failed: rank {cause.rank} (host {hosts[cause.rank]}) "
+            f"{cause.text}{more}; the ranks' first one is on host {reports[0][0]}"
+        )
+
+    raise_agreed(own, [report for _, report in reports if report is not None], describe)
 
 
 def write_on_every_rank(agree: Collectives, directory: Path, write: Callable[[], T]) -> T:
-    """`write()` on this rank, then agree: whatever it raised on any rank is raised on every rank as a
-    CheckpointError naming that rank, the original chained on its own. Not only file errors: a state
-    that cannot be serialized (a scheduler's or a hook's TypeError) on one rank otherwise left the
+    """`write()` on this rank, then agree: whatever it raised on any rank is raised on every rank (a
+    CheckpointError naming that rank for a file error, see [Note: agreed failures]). Not only file
+    errors: a state that cannot be serialized (a scheduler's TypeError) on one rank otherwise left the
     others waiting in the save's next collective until the process group's timeout."""
     try:
-        return_value, failure, raised = write(), None, None
-    except _WRITE_ERRORS as error:
-        return_value, failure, raised = None, f"could not write: {type(error).__name__}: {error}", error
+        return_value, raised = write(), None
     except Exception as error:
-        return_value, failure, raised = None, f"raised {type(error).__name__}: {error}", error
-    try:
-        _agree(agree, failure, directory)
-    except CheckpointError as agreed:
-        if raised is not None:
-            raise agreed from raised
-        raise
+        return_value, raised = None, error
+    _agree(agree, None if raised is None else _write_failure(raised), directory, raised)
     return return_value  # type: ignore[return-value]
 
 
@@ -101,7 +107,7 @@ def check_directory_shared(agree: Collectives, directory: Path) -> None:
             "does not see the directory its group's first rank made: checkpoints are written once, to "
             "storage every process reads under the same path (see docs/checkpoints.md)"
         )
-    _agree(agree, failure, directory)
+    _agree(agree, _check_failure(failure), directory)
 
 
 def check_manifest_shared(agree: Collectives, manifest: Path) -> None:
@@ -125,7 +131,7 @@ def check_manifest_shared(agree: Collectives, manifest: Path) -> None:
             "to a directory every process reads under the same path (see docs/checkpoints.md)"
         )
     try:
-        _agree(agree, failure, manifest.parent)
+        _agree(agree, _check_failure(failure), manifest.parent)
     except CheckpointError:
         if agree.rank == 0:  # the manifest vouches for files other ranks wrote elsewhere: not a checkpoint
             manifest.unlink(missing_ok=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tnlg.run.checkpoint import LATEST, RunCheckpointer, latest_checkpoint
+from tnlg.run.checkpoint import LATEST, RunCheckpointer, latest_checkpoint, resume_candidates
 from tnlg.run.metrics import LossCurve
 from tnlg.sharding.checkpoint import CheckpointError
 
@@ -155,3 +155,13 @@ def test_the_staging_directory_of_a_killed_save_is_removed_by_the_next_save(tmp_
         _save(tmp_path, 2, 4)
     assert _kept(tmp_path) == ["step-00000002", "step-00000004"]
     assert f"removed {killed}" in caplog.text
+
+
+def test_a_fallback_from_a_checkpoint_set_aside_tries_the_older_steps(tmp_path, monkeypatch):
+    """`latest` leading to the version set aside (`.step-N.replaced`, which sorts before every step) still
+    has the steps before N behind it with train.resume_fallback."""
+    _save(tmp_path, 3, 1, 2)
+    _crash_between_the_renames(tmp_path, monkeypatch, 2)
+    named = latest_checkpoint(tmp_path)
+    assert named == tmp_path / ".step-00000002.replaced"
+    assert resume_candidates(tmp_path, named, True) == [named, tmp_path / "step-00000001"]

@@ -97,7 +97,6 @@ def _save(rank: int, world_size: int, root: str, case: str) -> str:
     [
         ("rank_file_full", 1, "No space left on device"),
         ("scheduler_full", 0, "No space left on device"),
-        ("scheduler_unserializable", 0, "raised TypeError: Object of type Tensor is not JSON serializable"),
         ("latest_unreplaceable", 0, "could not write: IsADirectoryError"),
         ("node_local", 1, "does not see the directory"),
     ],
@@ -118,6 +117,20 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path, case, failed_r
     else:  # moved in whole, but unnamed; step 1 is kept
         assert (shared / "step-00000002" / "engine" / "manifest.json").is_file()
         assert (shared / "step-00000001" / "engine" / "manifest.json").is_file()
+
+
+def test_a_save_that_one_rank_fails_with_a_bug_raises_it_there_and_names_it_on_every_other_rank(tmp_path):
+    """Not the checkpoint's nor the storage's error (see [Note: agreed failures]): rank 0 raises its own
+    TypeError with its traceback, rank 1 a RankFailedError saying what and where, not a CheckpointError."""
+    own, other = run_distributed(_save, 2, str(tmp_path), "scheduler_unserializable")
+    assert own == "TypeError: Object of type Tensor is not JSON serializable", own
+    assert other.startswith("RankFailedError: saving the checkpoint "), other
+    assert "step-00000002 failed: rank 0 (host " in other, other
+    assert "raised TypeError: Object of type Tensor is not JSON serializable (raised at " in other, other
+    assert "in _unserializable)" in other, other
+    shared = tmp_path / "shared"
+    assert not (shared / ".step-00000002.staging").exists() and not (shared / "step-00000002").exists()
+    assert json.loads((shared / LATEST).read_text()) == {"checkpoint": "step-00000001"}
 
 
 def _save_and_load(rank: int, world_size: int, root: str, case: str, tensor: int = 1) -> str:
@@ -157,7 +170,6 @@ def _save_and_load(rank: int, world_size: int, root: str, case: str, tensor: int
         ("scheduler_damaged", 1, "scheduler.json"),
         # the world, not the engine's data group: the other tensor rank's group must not wait in the load
         ("scheduler_damaged", 2, "scheduler.json"),
-        ("rank_state_malformed", 1, "KeyError: 'rng'"),
     ],
 )
 def test_a_resume_that_one_rank_cannot_read_fails_on_every_rank(tmp_path, case, tensor, says):
@@ -166,6 +178,37 @@ def test_a_resume_that_one_rank_cannot_read_fails_on_every_rank(tmp_path, case, 
     for result in results:
         assert result.startswith(f"CheckpointError: rank {world_size - 1}: "), result
         assert says in result, result
+
+
+def test_a_resume_that_one_rank_fails_with_a_bug_raises_it_there_and_names_it_on_every_other_rank(tmp_path):
+    own, other = reversed(run_distributed(_save_and_load, 2, str(tmp_path), "rank_state_malformed"))
+    assert own == "KeyError: 'rng'", own
+    assert other.startswith("RankFailedError: rank 1: KeyError: 'rng' (raised at "), other
+    assert "in _malformed)" in other, other
+
+
+def _fallback_past_a_bug(rank: int, world_size: int, root: str) -> str:
+    """A resume with train.resume_fallback, steps 1 and 2 saved, rank 1's read of step 2 failing with a
+    bug: no rank takes it for a damaged checkpoint and falls back to step 1."""
+    engine, scheduler = _trained(rank, world_size)
+    os.chdir(root)
+    checkpointer = RunCheckpointer("shared", 2, _Ranks())
+    for step in (1, 2):
+        checkpointer.save(step, engine, scheduler, {"batches": step}, {}, LossCurve())
+    if rank == 1:
+        run_checkpoint.read_rank_state = _malformed
+    try:
+        return raised_or(
+            lambda: checkpointer.load(LATEST, engine, scheduler, fallback=True)["step"], "loaded"
+        )
+    finally:
+        engine.close()
+
+
+def test_a_bug_is_not_skipped_by_the_fallback(tmp_path):
+    other, own = run_distributed(_fallback_past_a_bug, 2, str(tmp_path))
+    assert own == "KeyError: 'rng'", own
+    assert other.startswith("RankFailedError: rank 1: KeyError: 'rng' (raised at "), other
 
 
 def test_a_shared_save_and_resume_pass_their_checks(tmp_path):

@@ -72,6 +72,12 @@ def _set_aside(checkpoint: Path) -> Path:
     return checkpoint.with_name(f".{checkpoint.name}{REPLACED}")
 
 
+def _step_name(checkpoint: Path) -> str:
+    """The step directory's name of `checkpoint`, also when it is the version set aside (`.step-N.replaced`)."""
+    name = checkpoint.name
+    return name[1 : -len(REPLACED)] if name.startswith(".") and name.endswith(REPLACED) else name
+
+
 def _present_or_set_aside(checkpoint: Path) -> Path:
     """`checkpoint`, or its previous version set aside when a save at the same step stopped between the
     two renames of `RunCheckpointer._replace` (that version is complete; `latest` still names it)."""
@@ -202,7 +208,8 @@ def resume_candidates(root: Path, named: Path, fallback: bool) -> list[Path]:
     train.resume_fallback the older step directories under `root`, newest first."""
     if not fallback:
         return [named]
-    older = (path for path in root.glob("step-*") if path.is_dir() and path.name < named.name)
+    step = _step_name(named)
+    older = (path for path in root.glob("step-*") if path.is_dir() and path.name < step)
     return [named, *sorted(older, reverse=True)]
 
 
@@ -276,7 +283,7 @@ class RunCheckpointer:
             engine.save_checkpoint(engine_directory(staging))  # collective; checks that every rank shares it
             write_on_every_rank(world, final, write_run_state)
             write_on_every_rank(world, final, lambda: self._replace(final, staging) if main else None)
-        except CheckpointError:
+        except Exception:  # every rank raises, agreed (see [Note: agreed failures])
             if main:  # a failed save's pieces would pile up beside the checkpoints on a disk that may be full
                 shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -416,7 +423,7 @@ class RunCheckpointer:
         for staging in self.root.glob(f".step-*{STAGING}"):
             self._remove_left_over(staging, "a save that stopped while writing it")
         for aside in self.root.glob(f".step-*{REPLACED}"):
-            original = self.root / aside.name[1 : -len(REPLACED)]
+            original = self.root / _step_name(aside)
             if original.exists():
                 self._remove_left_over(
                     aside, f"a save that stopped before deleting it ({original.name} replaced it)"
@@ -449,6 +456,8 @@ class RunCheckpointer:
         abandoned = sorted(p for p in others if p.name > written.name)
         for old in (earlier + abandoned)[self.keep_last - 1 :]:
             try:
+                # its aside first: one that could not be removed, partial, must not return as this step
+                shutil.rmtree(_set_aside(old), ignore_errors=True)
                 shutil.rmtree(old)
             except OSError as error:  # housekeeping: the run goes on, saying that keep_last is not applied
                 logger.warning(
