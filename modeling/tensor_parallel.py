@@ -540,7 +540,9 @@ def register_transformers_styles() -> None:
         return
 
     class PackedColwiseQKV(PackedColwiseParallel):
-        def shard_param(self, module, param, mesh):
+        # Transformers 5.25 passes `config=` and `mesh_manager=` too (keywords this cut needs not); 5.17
+        # passes neither: accepting any keyword keeps one signature across the supported range.
+        def shard_param(self, module, param, mesh, **_keywords):
             meta = module._parameters.get(param)
             if meta is None:
                 return
