@@ -5,6 +5,7 @@ restored so that a checkpoint without it is refused whole."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,17 @@ SCHEDULER_FILE = "lr_scheduler.json"  # in an engine checkpoint whose engine bui
 
 
 def save_scheduler_state(scheduler: LRScheduler, directory: Path) -> None:
-    """Rank 0 writes the schedule's position before the checkpoint's manifest (which appears last)."""
+    """Rank 0 writes the schedule's position before the checkpoint's manifest (which appears last); a state
+    JSON cannot hold is a CheckpointError naming the scheduler, as a run checkpoint's scheduler file is."""
     directory.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(directory / SCHEDULER_FILE, scheduler.state_dict())
+    state = scheduler.state_dict()
+    try:
+        json.dumps(state)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(
+            f"the state of the {type(scheduler).__name__} learning-rate scheduler cannot be saved: {error}"
+        ) from error
+    write_json_atomic(directory / SCHEDULER_FILE, state)
 
 
 def read_scheduler_state(scheduler: LRScheduler | None, directory: Path) -> dict[str, Any] | None:

@@ -43,12 +43,21 @@ def _full_disk(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-def _unserializable(*args, **kwargs):
-    raise TypeError("Object of type Tensor is not JSON serializable")  # a scheduler's state, say
+def _buggy(*args, **kwargs):
+    raise AttributeError("'NoneType' object has no attribute 'state_dict'")  # a bug in the code that writes
 
 
-def _malformed(*args, **kwargs):
-    raise KeyError("rng")  # a rank file a damaged or foreign tool wrote, read by code that trusts its keys
+def _read_with_a_bug(*args, **kwargs):
+    raise KeyError("rng")  # a bug in the code that reads: a key the file has, looked up under another name
+
+
+_DAMAGED_COPIES = (
+    "no_latest",
+    "engine_missing",
+    "scheduler_damaged",
+    "curve_damaged",
+    "run_position_missing",
+)
 
 
 def _trained(rank: int, world_size: int, tensor: int = 1):
@@ -79,8 +88,8 @@ def _save(rank: int, world_size: int, root: str, case: str) -> str:
         run_checkpoint.write_rank_state = _full_disk
     if case == "scheduler_full" and rank == 0:
         run_checkpoint.write_scheduler_states = _full_disk
-    if case == "scheduler_unserializable" and rank == 0:  # not a file error: the others waited for rank 0
-        run_checkpoint.write_scheduler_states = _unserializable
+    if case == "scheduler_bug" and rank == 0:  # not a file error: the others waited for rank 0
+        run_checkpoint.write_scheduler_states = _buggy
     if case == "latest_unreplaceable" and rank == 0:
         (checkpointer.root / LATEST).unlink()
         (checkpointer.root / LATEST).mkdir()  # the pointer cannot be replaced by a file
@@ -122,12 +131,14 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path, case, failed_r
 def test_a_save_that_one_rank_fails_with_a_bug_raises_it_there_and_names_it_on_every_other_rank(tmp_path):
     """Not the checkpoint's nor the storage's error (see [Note: agreed failures]): rank 0 raises its own
     TypeError with its traceback, rank 1 a RankFailedError saying what and where, not a CheckpointError."""
-    own, other = run_distributed(_save, 2, str(tmp_path), "scheduler_unserializable")
-    assert own == "TypeError: Object of type Tensor is not JSON serializable", own
+    own, other = run_distributed(_save, 2, str(tmp_path), "scheduler_bug")
+    assert own == "AttributeError: 'NoneType' object has no attribute 'state_dict'", own
     assert other.startswith("RankFailedError: saving the checkpoint "), other
     assert "step-00000002 failed: rank 0 (host " in other, other
-    assert "raised TypeError: Object of type Tensor is not JSON serializable (raised at " in other, other
-    assert "in _unserializable)" in other, other
+    assert "raised AttributeError: 'NoneType' object has no attribute 'state_dict' (raised at " in other, (
+        other
+    )
+    assert "in _buggy)" in other, other
     shared = tmp_path / "shared"
     assert not (shared / ".step-00000002.staging").exists() and not (shared / "step-00000002").exists()
     assert json.loads((shared / LATEST).read_text()) == {"checkpoint": "step-00000001"}
@@ -140,20 +151,28 @@ def _save_and_load(rank: int, world_size: int, root: str, case: str, tensor: int
     RunCheckpointer("shared", 2, _Ranks()).save(1, engine, scheduler, {"batches": 1}, {}, LossCurve())
     # The resume, at the same relative path on every rank: the last rank's names a disk of its own that
     # holds nothing (no `latest`), or a checkpoint without its engine manifest, or a copy whose scheduler
-    # file is damaged; or it reads the shared checkpoint with code that raises another error than a
-    # CheckpointError.
-    if rank == world_size - 1 and case in ("no_latest", "engine_missing", "scheduler_damaged"):
+    # file is damaged, or whose loss curve or own run position is valid JSON of the wrong shape; or it
+    # reads the shared checkpoint with code that has a bug (raising another error than a CheckpointError).
+    if rank == world_size - 1 and case in _DAMAGED_COPIES:
         node = Path(root) / f"node{rank}"
         node.mkdir()
         if case == "engine_missing":
             (node / "shared" / "step-00000001").mkdir(parents=True)
             (node / "shared" / LATEST).write_text(json.dumps({"checkpoint": "step-00000001"}))
-        if case == "scheduler_damaged":
+        if case in ("scheduler_damaged", "curve_damaged", "run_position_missing"):
             shutil.copytree(Path(root) / "shared", node / "shared")
-            (node / "shared" / "step-00000001" / "scheduler.json").write_text("{")
+        copy = node / "shared" / "step-00000001"
+        if case == "scheduler_damaged":
+            (copy / "scheduler.json").write_text("{")
+        if case == "curve_damaged":
+            (copy / "loss_curve.json").write_text(json.dumps({"steps": 5, "losses": []}))
+        if case == "run_position_missing":
+            own = json.loads((copy / f"rank-{rank:05d}.json").read_text())
+            del own["step"]
+            (copy / f"rank-{rank:05d}.json").write_text(json.dumps(own))
         os.chdir(node)
-    if rank == world_size - 1 and case == "rank_state_malformed":  # not a CheckpointError: the others waited
-        run_checkpoint.read_rank_state = _malformed
+    if rank == world_size - 1 and case == "rank_state_bug":  # not a CheckpointError: the others waited
+        run_checkpoint.read_rank_state = _read_with_a_bug
     try:
         return raised_or(
             lambda: RunCheckpointer("shared", 2, _Ranks()).load(LATEST, engine, scheduler), "loaded"
@@ -170,6 +189,8 @@ def _save_and_load(rank: int, world_size: int, root: str, case: str, tensor: int
         ("scheduler_damaged", 1, "scheduler.json"),
         # the world, not the engine's data group: the other tensor rank's group must not wait in the load
         ("scheduler_damaged", 2, "scheduler.json"),
+        ("curve_damaged", 1, "loss_curve.json: the loss curve's 'steps' is not a list of numbers"),
+        ("run_position_missing", 1, 'rank-00001.json holds no run position (expected a "step" >= 0'),
     ],
 )
 def test_a_resume_that_one_rank_cannot_read_fails_on_every_rank(tmp_path, case, tensor, says):
@@ -181,22 +202,25 @@ def test_a_resume_that_one_rank_cannot_read_fails_on_every_rank(tmp_path, case, 
 
 
 def test_a_resume_that_one_rank_fails_with_a_bug_raises_it_there_and_names_it_on_every_other_rank(tmp_path):
-    own, other = reversed(run_distributed(_save_and_load, 2, str(tmp_path), "rank_state_malformed"))
+    own, other = reversed(run_distributed(_save_and_load, 2, str(tmp_path), "rank_state_bug"))
     assert own == "KeyError: 'rng'", own
     assert other.startswith("RankFailedError: rank 1: KeyError: 'rng' (raised at "), other
-    assert "in _malformed)" in other, other
+    assert "in _read_with_a_bug)" in other, other
 
 
 def _fallback_past_a_bug(rank: int, world_size: int, root: str) -> str:
-    """A resume with train.resume_fallback, steps 1 and 2 saved, rank 1's read of step 2 failing with a
-    bug: no rank takes it for a damaged checkpoint and falls back to step 1."""
+    """A resume with train.resume_fallback, steps 1 and 2 saved, rank 1's read of step 2 (only) failing with
+    a bug: no rank takes it for a damaged checkpoint and falls back to step 1, which would load."""
     engine, scheduler = _trained(rank, world_size)
     os.chdir(root)
     checkpointer = RunCheckpointer("shared", 2, _Ranks())
     for step in (1, 2):
         checkpointer.save(step, engine, scheduler, {"batches": step}, {}, LossCurve())
+    read = run_checkpoint.read_rank_state
     if rank == 1:
-        run_checkpoint.read_rank_state = _malformed
+        run_checkpoint.read_rank_state = lambda path, saved_rank: (
+            _read_with_a_bug() if path.name == "step-00000002" else read(path, saved_rank)
+        )
     try:
         return raised_or(
             lambda: checkpointer.load(LATEST, engine, scheduler, fallback=True)["step"], "loaded"

@@ -248,6 +248,24 @@ def _refuse_changed_settings(checkpoint: Path, config: dict[str, Any]) -> None:
         )
 
 
+def _run_position(checkpoint: Path, rank: int) -> dict[str, Any]:
+    """`rank`'s file of `checkpoint` (its RNG states checked by read_rank_state), with the step and data
+    position a resume takes from it: checked while the ranks agree, not found by one rank alone later."""
+    state = read_rank_state(checkpoint, rank)
+    step = state.get("step")
+    if (
+        not isinstance(step, int)
+        or isinstance(step, bool)
+        or step < 0
+        or not isinstance(state.get("data"), dict)
+    ):
+        raise CheckpointError(
+            f'{rank_state_file(checkpoint, rank)} holds no run position (expected a "step" >= 0 and a "data" '
+            "object): it was not written by a run checkpoint, or is damaged"
+        )
+    return state
+
+
 class RunCheckpointer:
     def __init__(self, root: str | Path, keep_last: int, accelerator):
         if keep_last < 1:
@@ -347,14 +365,18 @@ class RunCheckpointer:
         def read_run_state() -> tuple[dict, dict, LossCurve]:
             curve_file = path / CURVE_FILE
             if curve_file.exists():
-                curve = LossCurve.from_state_dict(read_checkpoint_json(curve_file))
+                saved_curve = read_checkpoint_json(curve_file)
+                try:
+                    curve = LossCurve.from_state_dict(saved_curve)
+                except ValueError as error:
+                    raise CheckpointError(f"{curve_file}: {error}") from error
             else:  # saved before checkpoints carried the curve
                 logger.warning("%s has no %s: the loss curve starts at the resumed step", path, CURVE_FILE)
                 curve = LossCurve()
             (scheduler_state,) = read_scheduler_states(path, 1)
             if (path / "config.json").exists():  # what the resume's settings were checked against
                 read_checkpoint_json(path / "config.json")
-            return scheduler_state, read_rank_state(path, own_rank), curve
+            return scheduler_state, _run_position(path, own_rank), curve
 
         scheduler_state, state, curve = read_on_every_rank(agree, read_run_state)
         engine.load_checkpoint(engine_directory(path))
@@ -456,8 +478,9 @@ class RunCheckpointer:
         abandoned = sorted(p for p in others if p.name > written.name)
         for old in (earlier + abandoned)[self.keep_last - 1 :]:
             try:
-                # its aside first: one that could not be removed, partial, must not return as this step
-                shutil.rmtree(_set_aside(old), ignore_errors=True)
+                # its aside first: one left partial, without `old`, would come back as this step
+                if _set_aside(old).exists():
+                    shutil.rmtree(_set_aside(old))
                 shutil.rmtree(old)
             except OSError as error:  # housekeeping: the run goes on, saying that keep_last is not applied
                 logger.warning(

@@ -58,7 +58,22 @@ class LossCurve:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, list]) -> LossCurve:
-        return cls(**{f.name: list(state.get(f.name, [])) for f in fields(cls)})
+        """The curve `state_dict` gave; a ValueError naming what differs when `state` is not one (a
+        series that is not a list of numbers, series of unequal lengths)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"a loss curve is a JSON object of lists, got {type(state).__name__}")
+        series = {f.name: state.get(f.name, []) for f in fields(cls)}
+        for name, values in series.items():
+            if not isinstance(values, list) or not all(
+                isinstance(value, (int, float)) and not isinstance(value, bool) for value in values
+            ):
+                raise ValueError(f"the loss curve's {name!r} is not a list of numbers")
+        for steps, values in (("steps", "losses"), ("eval_steps", "perplexities")):
+            if len(series[steps]) != len(series[values]):
+                raise ValueError(
+                    f"the loss curve has {len(series[steps])} {steps} and {len(series[values])} {values}"
+                )
+        return cls(**{name: list(values) for name, values in series.items()})
 
     def save(self, directory: Path) -> None:
         """`loss_curve.json` always, and `loss_curve.png` (training loss and validation perplexity) when
