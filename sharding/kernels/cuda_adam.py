@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from .build import SOURCES, KernelUnavailable, ToolchainMissing, require_ninja
+from .build import SOURCES, KernelUnavailable, ToolchainMissing, load_extension, require_ninja
 
 logger = logging.getLogger(__name__)
 
@@ -76,13 +76,12 @@ def _build() -> ModuleType:
     require_ninja()
     started = time.perf_counter()
     try:
-        module = cpp_extension.load(
+        module = load_extension(
             name="tnlg_fused_adam",
             sources=[str(BINDING_SOURCE), str(KERNEL_SOURCE)],
             extra_cflags=["-O3"],
             extra_cuda_cflags=CUDA_FLAGS,
             extra_include_paths=[str(SOURCES)],
-            verbose=False,
         )
     except Exception as error:  # a failed compile raises RuntimeError / subprocess errors / OSError
         last = str(error).strip().splitlines()[-1:] or ["unknown error"]
