@@ -21,7 +21,8 @@ from types import ModuleType
 
 import torch
 
-from .build import SOURCES, KernelUnavailable, ToolchainMissing, load_extension, require_ninja
+from .build import SOURCES, KernelUnavailable, ToolchainMissing, require_ninja
+from .build_lock import load_extension
 
 logger = logging.getLogger(__name__)
 
