@@ -1,7 +1,7 @@
 """Reading engine checkpoints: the manifests and their checks, the rank files' slices of any parameter at
 any tensor degree (`SavedCheckpoint`), and `read_on_every_rank`, which makes the ranks agree on a read
-error (or on another failure: [Note: agreed failures]). The format is described in checkpoint.py ([Note: reshaping], [Note: sliced checkpoints]), which
-saves and loads engines and re-exports these names.
+error or any other failure ([Note: agreed failures]). The format is described in checkpoint.py
+([Note: reshaping], [Note: sliced checkpoints]), which saves and loads engines and re-exports these names.
 """
 
 from __future__ import annotations

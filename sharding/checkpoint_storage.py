@@ -10,8 +10,9 @@ next collective until the process group's timeout. So every step of a save is ag
 that save together (the world with tensor slicing or stages):
 
 - after the directory is made, every rank sees it;
-- a write that fails on one rank (disk full, permissions, a directory it cannot see, a state that
-  cannot be serialized) fails on every rank, naming that rank and its host, before the next collective;
+- a write that fails on one rank (disk full, permissions, a directory it cannot see) fails on every
+  rank, naming that rank and its host, before the next collective (any other error too: [Note: agreed
+  failures] in checkpoint_files.py);
 - after the manifest is written, every rank reads the bytes rank 0 wrote (their sha256): a directory
   present on every node but not shared is found at the save. When a rank does not, rank 0 removes the
   manifest, so the save is never taken for whole on the node that holds it.
@@ -79,8 +80,8 @@ def _agree(
 def write_on_every_rank(agree: Collectives, directory: Path, write: Callable[[], T]) -> T:
     """`write()` on this rank, then agree: whatever it raised on any rank is raised on every rank (a
     CheckpointError naming that rank for a file error, see [Note: agreed failures]). Not only file
-    errors: a state that cannot be serialized (a scheduler's TypeError) on one rank otherwise left the
-    others waiting in the save's next collective until the process group's timeout."""
+    errors: a bug on one rank otherwise left the others waiting in the save's next collective until the
+    process group's timeout."""
     try:
         return_value, raised = write(), None
     except Exception as error:

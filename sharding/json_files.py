@@ -28,10 +28,12 @@ def read_json(path: Path, error: type[Exception], what: str) -> Any:
 
 
 def write_json(path: Path, value: Any, **options: Any) -> None:
-    """`value` as JSON in `path` (`options`: `json.dump`'s), on disk before this returns: a checkpoint
-    that says it is complete is."""
+    """`value` as JSON in `path` (`options`: `json.dumps`'s), on disk before this returns: a checkpoint
+    that says it is complete is. A value JSON cannot hold raises (TypeError, ValueError) before the file
+    is opened, so no partial file is left."""
+    text = json.dumps(value, **options)
     with open(path, "w") as handle:
-        json.dump(value, handle, **options)
+        handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
 

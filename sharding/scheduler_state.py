@@ -5,7 +5,6 @@ restored so that a checkpoint without it is refused whole."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -24,14 +23,12 @@ def save_scheduler_state(scheduler: LRScheduler, directory: Path) -> None:
     """Rank 0 writes the schedule's position before the checkpoint's manifest (which appears last); a state
     JSON cannot hold is a CheckpointError naming the scheduler, as a run checkpoint's scheduler file is."""
     directory.mkdir(parents=True, exist_ok=True)
-    state = scheduler.state_dict()
     try:
-        json.dumps(state)
-    except (TypeError, ValueError) as error:
+        write_json_atomic(directory / SCHEDULER_FILE, scheduler.state_dict())
+    except (TypeError, ValueError) as error:  # raised by json before any file is written
         raise CheckpointError(
             f"the state of the {type(scheduler).__name__} learning-rate scheduler cannot be saved: {error}"
         ) from error
-    write_json_atomic(directory / SCHEDULER_FILE, state)
 
 
 def read_scheduler_state(scheduler: LRScheduler | None, directory: Path) -> dict[str, Any] | None:

@@ -11,8 +11,8 @@ A checkpoint is written into a hidden staging directory and renamed into place o
 has finished, then `latest` is replaced atomically: a crash mid-save leaves the previous
 checkpoint complete and selected (a checkpoint replaced at the same step is renamed aside, not deleted,
 until its successor is in place), and the next completed save tidies what it left (a partial staging
-directory is removed, a checkpoint set aside and not replaced is renamed back). `keep_last` checkpoints are kept: the one just written, then the
-newest of the steps before it; the steps after it, left by a run resumed from an earlier checkpoint,
+directory is removed, a checkpoint set aside and not replaced is renamed back). `keep_last`
+checkpoints are kept: the one just written, then the newest of the steps before it; the steps after it, left by a run resumed from an earlier checkpoint,
 belong to the abandoned timeline and go first. JSON and safetensors only.
 The engine directory and the rank and scheduler files are laid out as in `ZeroAccelerator.save_state`
 and `ZeroTrainer` checkpoints (tnlg.state_files).
