@@ -312,6 +312,7 @@ class ZeroEngine(nn.Module):
         self._require_open("zero_grad")
         for group in self.groups:
             group.zero_grad()
+        self.reducer.forget_reduced()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -275,13 +275,13 @@ class FlatGroup:
             return [self.full_grad]
         return self.grad_pieces()
 
-    def add_reduced_gradient(self, unit: Unit, reduced: torch.Tensor, alpha: float) -> None:
-        """Stages 2-3: this rank's shard piece of `unit` += `alpha` * `reduced` (a completed reduction)."""
+    def add_reduced_gradient(self, unit: Unit, reduced: torch.Tensor) -> None:
+        """Stages 2-3: this rank's shard piece of `unit` += `reduced` (a completed reduction's means)."""
         piece = self.grad_piece(unit)
         if self.gradients_to_host is not None:
-            self.gradients_to_host.add(piece, reduced, alpha)
+            self.gradients_to_host.add(piece, reduced)
         else:
-            piece.add_(reduced, alpha=alpha)
+            piece.add_(reduced)
 
     def settle_gradients(self) -> None:
         """Finish moving reduced gradients into the host shard (offload; backward's end)."""
@@ -289,7 +289,7 @@ class FlatGroup:
             self.gradients_to_host.settle()
 
     def step_gradient(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """This rank's gradient shard (unscaled; sums in stage 1) as one tensor in the shard layout,
+        """This rank's gradient shard (unscaled means over the ranks) as one tensor in the shard layout,
         next to the master: the gradient shard itself where it already is one (stages 2-3, `dtype`
         None or its own), else a new tensor (`dtype`, default the compute dtype) the pieces are
         copied into, from the device to the host when the optimizer is offloaded."""
@@ -310,12 +310,6 @@ class FlatGroup:
         if target.is_pinned():
             torch.cuda.current_stream(self.device).synchronize()  # the host reads it next
         return target
-
-    @property
-    def grad_divisor(self) -> int:
-        """What the gradient pieces must be divided by to be means over ranks: stage 1 keeps sums
-        (see [Note: gradient reduction]), the other stages divide as each reduction completes."""
-        return self.collectives.world_size if self.stage == 1 else 1
 
     # ------------------------------------------------------------------ stage 3 gather / release
     def is_gathered(self, unit: Unit) -> bool:

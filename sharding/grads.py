@@ -6,13 +6,26 @@ gradient of a unit has been accumulated, the unit's reduction is launched asynch
 (`overlap_comm`), so it runs while autograd computes the remaining gradients:
 
     stage 0: all-reduce the unit's slice of the full gradient buffer, in place;
-    stage 1: reduce-scatter it in place, so this rank's piece of the buffer holds the sum (kept as
-             a sum until the step; the rest of the buffer is zeroed);
+    stage 1: reduce-scatter it in place, so this rank's piece of the buffer holds the mean (the
+             rest of the buffer is zeroed);
     stages 2-3: copy the unit's gradients into a bucket, free them, reduce-scatter the bucket
              into a piece that is added to this rank's gradient shard (so micro-steps accumulate;
              with the optimizer offloaded the shard is in host memory, see [Note: offload]).
 
-Sums become means (divided by the world size) when a reduction completes (stage 1: at the step). A callback queued on
+Each rank divides its gradients by the world size before the reduction, as DeepSpeed's ZeRO and
+DDP do, so the reduction sums means: a sum of 16-bit gradients over the ranks can overflow fp16
+where none of them does, and then fp16's loss scale would settle up to the world size lower than
+DeepSpeed's (more of the small gradients underflowing in backward). Dividing by a power of two is
+exact, so at such world sizes fp32 and bf16 sums come out bit for bit as dividing after would.
+Stage 1 keeps the mean in its piece of the full buffer, which a second backward before the step
+accumulates into again: there each unit's piece is first multiplied back into this rank's share of
+the sum (`_share_of_sum`), so that the next reduction adds exactly the new gradients of every rank.
+That happens at the unit's first gradient of that backward, in the post-accumulate hook, which runs
+only where autograd accumulates (`torch.autograd.grad` runs the tensor hooks too, and accumulates
+nothing): the tensor hook hands autograd no destination for such a unit, and the post-accumulate
+hook adds the fresh gradient in.
+
+A callback queued on
 autograd's engine runs when backward ends: it reduces the units that never completed (parameters
 unused in this step, whose gradients count as zero), in unit order, identically on every rank, and
 waits for every collective. Under `no_sync` stages 0-1 skip all of this and let gradients accumulate
@@ -20,7 +33,7 @@ locally; stages 2-3 keep reducing, since they do not keep full gradients.
 
 [Note: gradients are the engine's]
 Between backward passes every parameter's `.grad` is a `GradientPlaceholder` (flat_group.py): the
-true gradient is a sum in a stage 1 piece, a shard in stages 2-3, loss-scaled with fp16, so code that
+true gradient is a mean in a stage 1 piece, a shard in stages 2-3, loss-scaled with fp16, so code that
 reads `param.grad` (`torch.nn.utils.clip_grad_norm_` returned 0.0 in stages 2-3) would be silently
 wrong; the placeholder answers metadata (shape, device, storage) but refuses every operation on
 values, naming `engine.clip_grad_norm_`. A tensor
@@ -103,6 +116,10 @@ class GradientReducer:
         self._reduced: set[tuple[int, int]] = set()
         self._in_flight: deque[_InFlight] = deque()
         self._backward_active = False
+        # Stage 1 units whose pieces hold a reduction's means, and those of them a later backward
+        # turned back into this rank's share of the sum (see [Note: gradient reduction]).
+        self._means: set[tuple[int, int]] = set()
+        self._summing: set[tuple[int, int]] = set()
         self._closed = False
         self._hooks = []
         for g, group in enumerate(groups):
@@ -144,8 +161,26 @@ class GradientReducer:
         for the real destination (see [Note: gradients are the engine's])."""
         group = self.groups[g]
         param = group.params[index]
-        if is_placeholder(param.grad):
+        if (g, group.layout.slots[index].unit) in self._means:
+            param.grad = None  # a fresh gradient, which _on_gradient adds in (see [Note: gradient reduction])
+        elif is_placeholder(param.grad):
             param.grad = group.grad_view(index) if self.stage <= 1 else None
+
+    def _share_of_sum(self, g: int, unit: int) -> None:
+        """Stage 1, before a unit whose piece holds a reduction's means takes new gradients or is reduced
+        again: the piece back to this rank's share of the sum (mean * world), which the next reduction
+        divides with the new gradients (see [Note: gradient reduction])."""
+        if (g, unit) not in self._means:
+            return
+        self._means.discard((g, unit))
+        self._summing.add((g, unit))
+        group = self.groups[g]
+        group.grad_piece(group.layout.units[unit]).mul_(self.collectives.world_size)
+
+    def forget_reduced(self) -> None:
+        """The gradients were zeroed: no piece holds a reduction's means any more."""
+        self._means.clear()
+        self._summing.clear()
 
     def _on_gradient(self, g: int, index: int, param: torch.Tensor) -> None:
         self.backward_passes.add(torch._C._current_graph_task_id())
@@ -153,15 +188,19 @@ class GradientReducer:
             self._backward_active = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         group = self.groups[g]
+        unit = group.layout.slots[index].unit
+        key = (g, unit)
         if self.stage <= 1:
+            self._share_of_sum(g, unit)
             view = group.grad_view(index)
-            if param.grad.data_ptr() != view.data_ptr():  # the gradient was set to None since: take it back
-                view.copy_(param.grad)
+            if param.grad.data_ptr() != view.data_ptr():  # a fresh gradient: take it into the buffer
+                if key in self._summing:
+                    view.add_(param.grad)
+                else:  # the gradient was set to None since
+                    view.copy_(param.grad)
                 param.grad = view
         if not self.reducing:
             return
-        unit = group.layout.slots[index].unit
-        key = (g, unit)
         self._pending[key] -= 1
         if self._pending[key] == 0 and self.overlap_comm:
             self._reduce(g, group.layout.units[unit])
@@ -186,25 +225,23 @@ class GradientReducer:
         layout = group.layout
         if self.stage == 0:
             full = layout.unit_view(group.full_grad, unit)
+            _divide(full, world)
             handle = self.collectives.all_reduce(full, async_op=True)
-            # One rank's sum is its mean: dividing by 1 would be a pass over the unit's gradients for
-            # nothing (0.58 ms a unit for tnlg-1.3b on an H100).
-            finish = (lambda: full.div_(world)) if world > 1 else (lambda: None)
-            self._in_flight.append(_InFlight(handle, finish))
+            self._in_flight.append(_InFlight(handle, lambda: None))
         elif self.stage == 1:
+            self._share_of_sum(g, unit.index)  # a unit this backward gave no gradient
             full = layout.unit_view(group.full_grad, unit)
+            _divide(full, world)
             handle = self.collectives.reduce_scatter(group.grad_piece(unit), full, async_op=True)
 
-            def keep_own_sum(full=full, unit=unit) -> None:
-                # This rank's piece now holds the sum over ranks; the rest of the buffer still holds
+            def keep_own_mean(full=full, unit=unit) -> None:
+                # This rank's piece now holds the mean over ranks; the rest of the buffer still holds
                 # this rank's unreduced gradients, which a later backward would add in again: zero it.
-                # The piece stays a sum (the step divides by the world size), so that a second
-                # backward before the step adds exactly the new gradients of every rank.
                 start, end = unit.piece_range(group.shard_rank)
                 full.narrow(0, 0, start).zero_()
                 full.narrow(0, end, unit.numel - end).zero_()
 
-            self._in_flight.append(_InFlight(handle, keep_own_sum))
+            self._in_flight.append(_InFlight(handle, keep_own_mean))
         else:
             bucket = torch.empty(unit.numel, dtype=group.compute_dtype, device=group.device)
             used = 0
@@ -213,8 +250,12 @@ class GradientReducer:
                 target = bucket.narrow(0, slot.offset, slot.numel)
                 if param.grad is None or is_placeholder(param.grad):  # unused in this step
                     target.zero_()
+                elif world > 1 and param.grad.dtype == target.dtype:  # the division folded into the copy
+                    torch.div(param.grad.reshape(-1), world, out=target)
+                    param.grad = None
                 else:
                     target.copy_(param.grad.reshape(-1))
+                    _divide(target, world)
                     param.grad = None
                 used = slot.offset + slot.numel
             bucket.narrow(0, used, unit.numel - used).zero_()
@@ -223,7 +264,7 @@ class GradientReducer:
 
             def accumulate(bucket=bucket, reduced=reduced, unit=unit) -> None:
                 del bucket  # kept alive until the collective has read it
-                group.add_reduced_gradient(unit, reduced, alpha=1.0 / world)
+                group.add_reduced_gradient(unit, reduced)
 
             self._in_flight.append(_InFlight(handle, accumulate, unit.numel))
             while len(self._in_flight) > 1 and self.in_flight_numel() > self.max_in_flight_numel:
@@ -259,8 +300,23 @@ class GradientReducer:
             self._complete_oldest()
         for group in self.groups:
             group.settle_gradients()
+        # Stage 1's pieces now hold means; recorded only now, since this backward accumulates into no
+        # unit it reduced.
+        self._summing.clear()
+        if self.stage == 1 and self.collectives.world_size > 1:
+            self._means = {
+                (g, unit.index) for g, group in enumerate(self.groups) for unit in group.layout.units
+            }
 
     def flush(self) -> None:
         """Reduce everything now (a backward that ran without hooks firing still ends consistently)."""
         if self._backward_active:
             self._finish_backward()
+
+
+def _divide(gradients: torch.Tensor, world: int) -> None:
+    """This rank's gradients divided by the world size before they are summed over it (see [Note:
+    gradient reduction]). One rank's sum is its mean: dividing by 1 would be a pass over the unit's
+    gradients for nothing (0.58 ms a unit for tnlg-1.3b on an H100)."""
+    if world > 1:
+        gradients.div_(world)

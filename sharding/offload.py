@@ -158,10 +158,10 @@ class GradientsToHost:
 
     def __init__(self, placement: Placement):
         self.placement = placement
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, float, torch.cuda.Event | None]] = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
 
-    def add(self, target: torch.Tensor, reduced: torch.Tensor, alpha: float) -> None:
-        """`target` (a host view) += `alpha` * `reduced` (on the device), once settled."""
+    def add(self, target: torch.Tensor, reduced: torch.Tensor) -> None:
+        """`target` (a host view) += `reduced` (on the device), once settled."""
         staging = self.placement.staging_empty(reduced.numel(), reduced.dtype)
         event = None
         if reduced.device.type == "cuda":
@@ -170,27 +170,27 @@ class GradientsToHost:
             event.record(torch.cuda.current_stream(reduced.device))
         else:
             staging.copy_(reduced)
-        self._pending.append((target, staging, alpha, event))
+        self._pending.append((target, staging, event))
 
     def settle(self) -> None:
         """Finish every pending addition (call before anything reads the host gradient shard)."""
-        for target, staging, alpha, event in self._pending:
+        for target, staging, event in self._pending:
             if event is not None:
                 event.synchronize()
-            target.add_(staging, alpha=alpha)
+            target.add_(staging)
         self._pending.clear()
 
     def discard(self) -> None:
         """Drop every pending addition (the engine is closing), after the copies into staging have
         finished: a pinned buffer must not be freed while a device copy still writes into it."""
-        for _, _, _, event in self._pending:
+        for _, _, event in self._pending:
             if event is not None:
                 event.synchronize()
         self._pending.clear()
 
     def staging(self) -> list[torch.Tensor]:
         """The host staging buffers of additions not yet settled."""
-        return [staging for _, staging, _, _ in self._pending]
+        return [staging for _, staging, _ in self._pending]
 
 
 def host_adam_for(optimizer: torch.optim.Optimizer) -> CPUAdam | None:

@@ -150,7 +150,7 @@ class ShardedOptimizer:
             pieces = [piece for piece in flat.grad_tensors() if piece.numel()]
             if pieces:
                 group_squares = torch.stack([squared_norm(piece) for piece in pieces]).sum()
-                squares += (group_squares / flat.grad_divisor**2).to(device)
+                squares += group_squares.to(device)
         if self.model_parallel is not None:
             squares -= self.model_parallel.excess(self.groups)
         if self.sharded:
@@ -229,9 +229,8 @@ class ShardedOptimizer:
     def _optimizer_step(self, factor: float) -> None:
         """The user's optimizer over fp32 gradients (a fp32 gradient shard is used in place)."""
         for flat in self.groups:
-            group_factor = factor / flat.grad_divisor
             gradient = flat.step_gradient(torch.float32)
-            flat.master.grad = gradient.mul_(group_factor) if group_factor != 1.0 else gradient
+            flat.master.grad = gradient.mul_(factor) if factor != 1.0 else gradient
         with self._user_step():
             self.optimizer.step()
         for flat in self.groups:
@@ -240,8 +239,6 @@ class ShardedOptimizer:
 
     def _host_adam_step(self, factor: float) -> None:
         """CPUAdam reads the gradient shards as they are, scaled as it reads them, and writes the 16-bit copies."""
-        divisors = {flat.grad_divisor for flat in self.groups}
-        assert len(divisors) == 1, "the gradient divisor depends only on the stage and the world size"
         grads = [flat.step_gradient() for flat in self.groups]
         device = self.groups[0].device
         if device.type == "cuda":
@@ -250,7 +247,7 @@ class ShardedOptimizer:
             # gradient norm's .item() has already waited for them; this does not rely on it.)
             torch.cuda.current_stream(device).synchronize()
         with self._user_step():
-            host_adam_step(self.host_adam, self.optimizer, grads, self._updated16, factor / divisors.pop())
+            host_adam_step(self.host_adam, self.optimizer, grads, self._updated16, factor)
             # No gradients are set, so this updates nothing: it runs the optimizer's step hooks and
             # the bookkeeping a learning-rate scheduler checks (that optimizer.step() was called).
             self.optimizer.step()
@@ -265,7 +262,7 @@ class ShardedOptimizer:
                 out16 = _device_16bit_target(flat)
                 fused_adam_group(
                     flat.master, flat.step_gradient(), group, state,
-                    grad_scale=factor / flat.grad_divisor, out16=out16, backend=self.fused_backend,
+                    grad_scale=factor, out16=out16, backend=self.fused_backend,
                 )  # fmt: skip
                 flat.write_back(out16)
             self.optimizer.step()  # no gradients: hooks and scheduler bookkeeping only
@@ -337,7 +334,7 @@ class ModelParallelNorm:
             if owned:  # one reduction per group; offloaded shards are on the host: one scalar moves
                 squares = torch.stack([squared_norm(view) for view, _ in owned])
                 weights = torch.tensor([w for _, w in owned], dtype=squares.dtype, device=squares.device)
-                excess += (squares * weights).sum().to(excess.device) / flat.grad_divisor**2
+                excess += (squares * weights).sum().to(excess.device)
         return excess
 
 

@@ -236,7 +236,7 @@ def _sync_each_batch(rank: int, world_size: int, stage: int, sync_each_batch: bo
 def test_sync_each_batch_reduces_every_micro_batch_and_trains_the_same(stage):
     # Accelerate then leaves no_sync out of accumulate(): stages 0-1, which otherwise reduce only at the
     # accumulation boundary, reduce each micro-batch into what they hold (stage 0 the averaged buffer,
-    # stage 1 its summed piece); the step is the same.
+    # stage 1 its piece of the means, multiplied back into its share of the sum first); the step is the same.
     once = run_distributed(_sync_each_batch, 2, stage, False)
     each = run_distributed(_sync_each_batch, 2, stage, True)
     assert each[0]["reductions"] == 2 * once[0]["reductions"] > 0

@@ -246,3 +246,25 @@ def module_load_matrix(rank: int, world_size: int) -> dict:
         results[case] = {"losses": losses, "state": engine.full_state_dict()}
         engine.close()
     return results
+
+
+def reduce_large_fp16_gradients(
+    rank: int, world_size: int, stage: int, backwards: int, probe: bool = False
+) -> dict:
+    """A zero-initialized fp16 vector whose loss `(w * g).sum()` gives every rank the gradient g: the
+    same 40000 on each rank (finite in fp16; their sum, 80000, is not) or, with `backwards` > 1, a
+    rank's own value per backward, all before one SGD step (lr 1, static loss scale 1). `probe`: after
+    each backward, `torch.autograd.grad` of another loss, which must change nothing. Returns whether
+    the step was applied and the vector after it: minus the mean over ranks of the summed gradients."""
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(8))
+    model.forward = lambda g: (model.w * g).sum()
+    config = ZeroConfig(stage=stage, mixed_precision="fp16", static_loss_scale=1.0, reduce_bucket_size=4)
+    engine = initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), config)
+    for index in range(backwards):
+        value = 40000.0 if backwards == 1 else 4096.0 * (2 * rank + 2 + index)  # sums and halves exact
+        engine.backward(engine(torch.full((8,), value, dtype=torch.float16)))
+        if probe:  # runs the parameters' tensor hooks, accumulates nothing
+            torch.autograd.grad(engine(torch.full((8,), 3.0, dtype=torch.float16)), [model.w])
+    applied = engine.step()
+    return {"applied": applied, "w": engine.full_state_dict(rank0_only=False)["w"].float().tolist()}
