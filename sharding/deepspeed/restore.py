@@ -64,6 +64,9 @@ def load_deepspeed_checkpoint(engine: EngineState, path: str | Path, sliced: boo
         "scale": state.loss_scale,
         "dynamic": bool(state.loss_scale_dynamic),
     }
+    if state.loss_scale_clean_steps is not None and state.loss_scale_overflows_left is not None:
+        engine_state["loss_scaler"]["clean_steps"] = state.loss_scale_clean_steps
+        engine_state["loss_scaler"]["overflows_left"] = state.loss_scale_overflows_left
     engine_state["global_steps"] = state.global_steps
     engine.restore_checkpoint_state(engine_state)
     return {

@@ -68,6 +68,9 @@ class DeepSpeedZeroState:
     loss_scale: float = 1.0
     # Whether DeepSpeed's fp16 loss scaler was dynamic; None: the run saved no loss scaler (bf16 or fp32)
     loss_scale_dynamic: bool | None = None
+    # A dynamic scaler's position, as tnlg's LossScaler counts it (see `_loss_scaler`); None: not saved
+    loss_scale_clean_steps: int | None = None
+    loss_scale_overflows_left: int | None = None
     lr_scheduler: dict[str, Any] | None = None
 
 
@@ -189,6 +192,7 @@ def _stage1_2(states, group_names, sizes, directory):
     masters: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {key: {} for key in ADAM_KEYS}
     bases = [_base_optimizer(state, directory) for state in states]
+    unstepped = _unstepped(bases, directory)
     partitions = [_list(state, "single_partition_of_fp32_groups", directory) for state in states]
     for group_index, names in enumerate(group_names):
         paddings = [
@@ -206,7 +210,9 @@ def _stage1_2(states, group_names, sizes, directory):
             )
         flat = torch.cat([groups[group_index] for groups in partitions])
         group_moments = {
-            key: torch.cat([_moment(base["state"], group_index, key, directory) for base in bases])
+            key: torch.zeros_like(flat)
+            if unstepped
+            else torch.cat([_moment(base["state"], group_index, key, directory) for base in bases])
             for key in ADAM_KEYS
         }
         offset = 0
@@ -228,12 +234,15 @@ def _stage3(states, group_names, sizes, world, directory):
     """Stage 3: each parameter cut on its own into `world` pieces of ceil(numel / world) elements."""
     flats = [torch.cat(_list(state, "fp32_flat_groups", directory)) for state in states]
     bases = [_base_optimizer(state, directory) for state in states]
+    unstepped = _unstepped(bases, directory)
     rank_moments = [
         {
-            key: torch.cat([_moment(base["state"], index, key, directory) for index in sorted(base["state"])])
+            key: torch.zeros_like(flat)
+            if unstepped
+            else torch.cat([_moment(base["state"], index, key, directory) for index in sorted(base["state"])])
             for key in ADAM_KEYS
         }
-        for base in bases
+        for flat, base in zip(flats, bases, strict=True)
     ]
     masters: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {key: {} for key in ADAM_KEYS}
@@ -315,14 +324,33 @@ def _stage(value: Any, path: Path) -> int:
 
 def _loss_scaler(value: Any) -> dict[str, Any]:
     """DeepSpeed's saved fp16 scaler as `loss_scale` and `loss_scale_dynamic` (its `dynamic`: True for
-    DynamicLossScaler, False for the static one); a bf16 or fp32 run saves none: scale 1, None."""
+    DynamicLossScaler, False for the static one), and a dynamic one's position on its path as tnlg's
+    LossScaler counts it (`loss_scale_clean_steps`, `loss_scale_overflows_left`), so that the resumed
+    scale grows and halves at the steps DeepSpeed's would (see [Note: DeepSpeed's scaler position]);
+    a bf16 or fp32 run saves none: scale 1, None."""
     state = getattr(value, "state", None)
-    if isinstance(state, dict) and "cur_scale" in state:
-        return {
-            "loss_scale": float(state["cur_scale"]),
-            "loss_scale_dynamic": bool(state.get("dynamic", True)),
-        }
-    return {"loss_scale": 1.0, "loss_scale_dynamic": None}
+    if not (isinstance(state, dict) and "cur_scale" in state):
+        return {"loss_scale": 1.0, "loss_scale_dynamic": None}
+    scaler = {
+        "loss_scale": float(state["cur_scale"]),
+        "loss_scale_dynamic": bool(state.get("dynamic", True)),
+    }
+    keys = ("cur_iter", "last_overflow_iter", "scale_window", "cur_hysteresis")
+    counters = [state.get(key) for key in keys]
+    if scaler["loss_scale_dynamic"] and all(isinstance(n, int) for n in counters):
+        updates, last_overflow, window, hysteresis_left = counters
+        clean = updates - last_overflow - 1
+        if clean < 0 or window < 1 or hysteresis_left < 1:
+            return scaler  # not a position DeepSpeed's update reaches: the engine's fresh one is kept
+        # [Note: DeepSpeed's scaler position]
+        # DeepSpeed counts the updates since the last overflow (`clean`, none at the start: its last
+        # overflow is -1) and doubles at the clean update after `window`, 2 `window`, ... of them.
+        # tnlg's LossScaler doubles once its clean_steps reach its window and starts again from 0.
+        # With clean_steps `(clean - 1) % window` (-1 before any clean update) its next doubling
+        # falls on DeepSpeed's next; the hysteresis left is the same count on both sides.
+        scaler["loss_scale_clean_steps"] = (clean - 1) % window if clean else -1
+        scaler["loss_scale_overflows_left"] = hysteresis_left
+    return scaler
 
 
 def _base_optimizer(state: dict[str, Any], directory: Path) -> dict[str, Any]:
@@ -341,6 +369,20 @@ def _base_optimizer(state: dict[str, Any], directory: Path) -> dict[str, Any]:
                 "exp_avg_sq) are read"
             )
     return base
+
+
+def _unstepped(bases: list[dict[str, Any]], directory: Path) -> bool:
+    """Whether Adam has not stepped yet: no rank holds any optimizer state. An fp16 run whose every
+    step so far overflowed saves it so (torch's Adam makes its state at the first step it applies), and
+    its moments and step are a fresh Adam's, zeros. Some ranks with state and others without is a
+    damaged checkpoint."""
+    empty = [rank for rank, base in enumerate(bases) if not base["state"]]
+    if empty and len(empty) < len(bases):
+        raise CheckpointError(
+            f"{directory}: the optimizer files of ranks {empty} hold no Adam state and the others' do: "
+            "the rank files are not of one save"
+        )
+    return bool(empty)
 
 
 def _moment(state: dict[Any, Any], index: int, key: str, directory: Path) -> torch.Tensor:

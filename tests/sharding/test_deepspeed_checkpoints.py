@@ -60,6 +60,31 @@ def test_an_fp16_engine_keeps_its_loss_scale_over_a_run_that_saved_none():
     assert run_distributed(loss_scale_after_resume, 1, name, checkpoint)[0] == 2.0**12
 
 
+@pytest.mark.parametrize(
+    ("name", "world"),
+    [
+        ("stage2_world2_fp16_step1", 2),  # saved after an overflow its hysteresis absorbed: the next halves
+        ("stage2_world2_fp16_step4", 1),  # two clean steps into a window of 3: the second resumed one doubles
+    ],
+)
+def test_an_fp16_run_resumes_on_deepspeeds_loss_scale_path(name, world):
+    """DeepSpeed's dynamic loss scaler is resumed where it stood, not only at its scale: the resumed
+    steps run at the scales DeepSpeed's own resumed run used and skip the same steps. With the fresh
+    engine's hysteresis and clean count (the scale alone, as before), step 1's case absorbs the overflow
+    that halves DeepSpeed's scale and step 4's doubles one step late."""
+    result = run_distributed(resume_in_tnlg, world, name, str(CASE[name].checkpoint), 2, timeout=300)[0]
+    record = deepspeed_record(name)
+    assert len(set(record["resumed_loss_scales"])) == 2  # the path turns within the resumed steps
+    assert result["loss_scales"] == record["resumed_loss_scales"]
+    assert result["applied"] == record["resumed_applied"]
+    # the first resumed step computes from the restored weights alone; later ones from fp16 updates,
+    # which round apart (3e-4 at the third step)
+    assert result["losses"][0] == record["resumed_losses"][0]
+    for ours, theirs in zip(result["losses"], record["resumed_losses"], strict=True):
+        assert abs(ours - theirs) <= 1e-3 * abs(theirs), (result["losses"], record["resumed_losses"])
+    assert result["summary"]["global_steps"] == CASE[name].save_at
+
+
 def test_the_warmup_schedule_resumes_where_deepspeed_left_it():
     """DeepSpeed's WarmupLR (a log ramp over 8 steps) saved at step 3: the resumed engine uses the lrs
     DeepSpeed's own resumed run used, step by step."""

@@ -2,7 +2,7 @@
 that wrote them.
 
     pip install deepspeed            # 0.19.8 wrote the committed ones, on torch 2.13 (CPU)
-    DS_ACCELERATOR=cpu python -m tests.support.deepspeed_fixtures
+    DS_ACCELERATOR=cpu python -m tests.support.deepspeed_fixtures [CASE ...]   # all cases, or those named
 
 For each case, `world` gloo processes on the CPU train the tiny TNLG model below under DeepSpeed
 (fp32, torch's AdamW as the client optimizer, ZeRO stage `stage`) for SAVE_AT steps and call
@@ -13,6 +13,13 @@ a GPT-2 run). A fresh DeepSpeed engine then loads that checkpoint
 and trains RESUMED_STEPS more steps: its losses, DeepSpeed's own resumed run, are what tnlg's resumed
 run must reproduce, in `resumed_losses.json` beside the checkpoint. The batches are `global_batch(step)`:
 every rank takes its contiguous share of the same global batch, so any world size sees the same data.
+
+The fp16 cases train under DeepSpeed's dynamic loss scaler, from a scale at which the first steps
+overflow, and save where its position matters: after one overflow the hysteresis absorbed (step 1),
+and two clean steps into a growth window (step 4). Their record adds the loss scale each resumed step
+ran at and whether its update was applied. DeepSpeed's CPU accelerator reports fp16 only where oneDNN
+has fp16 kernels (AVX512-FP16 or AMX-FP16), which CPUs without them lack although torch runs every op
+of this model in fp16 there, so for these cases its check is answered yes.
 
 DeepSpeed's copy of its consolidation script (zero_to_torch.py in 0.19) is dropped from the committed tree (it is DeepSpeed's code, and
 nothing here runs it); the rest is as DeepSpeed wrote it.
@@ -27,6 +34,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -47,10 +55,17 @@ class Case:
     world: int
     warmup: bool = False  # DeepSpeed's WarmupLR, still warming up when saved and after
     model: str = "tnlg"  # or "gpt2": a Transformers GPT2LMHeadModel of the same shape
+    fp16: bool = False  # under DeepSpeed's dynamic loss scaler (FP16_SCALING)
+    save_at: int = SAVE_AT
 
     @property
     def name(self) -> str:
-        return f"stage{self.stage}_world{self.world}" + ("_gpt2" if self.model == "gpt2" else "")
+        name = f"stage{self.stage}_world{self.world}" + ("_gpt2" if self.model == "gpt2" else "")
+        return name + (f"_fp16_step{self.save_at}" if self.fp16 else "")
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.directory / f"checkpoint-{self.save_at}"
 
     @property
     def directory(self) -> Path:
@@ -62,7 +77,11 @@ CASES = (
     Case(stage=2, world=2, warmup=True),
     Case(stage=3, world=4),
     Case(stage=3, world=2, model="gpt2"),
+    Case(stage=2, world=2, fp16=True, save_at=1),
+    Case(stage=2, world=2, fp16=True, save_at=4),
 )
+# From 2**18 this model's gradients overflow fp16 at the first two steps, then not at 2**17.
+FP16_SCALING = {"initial_scale_power": 18, "loss_scale_window": 3, "hysteresis": 2, "min_loss_scale": 1}
 
 
 def tiny_config() -> TNLGConfig:
@@ -114,26 +133,44 @@ def deepspeed_config(case: Case) -> dict:
         "zero_allow_untested_optimizer": True,  # torch's AdamW: no DeepSpeed op to build
         "gradient_clipping": 1.0,
         "steps_per_print": 1000,
+        **({"fp16": {"enabled": True, **FP16_SCALING}} if case.fp16 else {}),
     }
 
 
+class Trace(NamedTuple):
+    losses: list[float]  # each step's loss averaged over the ranks (the global batch's mean loss)
+    lrs: list[float]  # with `lr`: the lr each step used
+    loss_scales: list[float]  # with `loss_scale`: the scale each step's backward ran at
+    applied: list[bool]  # with `applied`: whether each step's update was applied (not an fp16 overflow)
+
+
 def train_steps(
-    engine, steps: range, rank: int, world: int, lr: Callable[[], float] | None = None
-) -> tuple[list[float], list[float]]:
-    """Steps of a DeepSpeed or a tnlg engine (the same calls): each step's loss averaged over the ranks
-    (the global batch's mean loss), and, with `lr` (it reads the lr), the lr each step used."""
-    losses, lrs = [], []
+    engine,
+    steps: range,
+    rank: int,
+    world: int,
+    lr: Callable[[], float] | None = None,
+    loss_scale: Callable[[], float] | None = None,
+    applied: Callable[[], bool] | None = None,
+) -> Trace:
+    """Steps of a DeepSpeed or a tnlg engine (the same calls); the callables read the engine's lr and
+    loss scale before each step and whether its update was applied after it."""
+    trace = Trace([], [], [], [])
     for step in steps:
         if lr is not None:
-            lrs.append(lr())
+            trace.lrs.append(lr())
+        if loss_scale is not None:
+            trace.loss_scales.append(float(loss_scale()))
         ids = rank_share(global_batch(step), rank, world)
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
-        mean = loss.detach().clone()
+        if applied is not None:
+            trace.applied.append(bool(applied()))
+        mean = loss.detach().float().clone()
         torch.distributed.all_reduce(mean)
-        losses.append(mean.item() / world)
-    return losses, lrs
+        trace.losses.append(mean.item() / world)
+    return trace
 
 
 def write_case(rank: int, case: Case) -> None:
@@ -142,52 +179,65 @@ def write_case(rank: int, case: Case) -> None:
     world = case.world
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     deepspeed.init_distributed(dist_backend="gloo")
+    if case.fp16:  # see the module's docstring
+        from deepspeed.accelerator import get_accelerator
+
+        type(get_accelerator()).is_fp16_supported = lambda self: True
     config = deepspeed_config(case)
 
     model = initial_model(case.model)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    first, _ = train_steps(engine, range(SAVE_AT), rank, world)
-    engine.save_checkpoint(str(case.directory / CHECKPOINT))
+    first = train_steps(engine, range(case.save_at), rank, world)
+    engine.save_checkpoint(str(case.checkpoint))
     if rank == 0:  # as the Transformers Trainer saves it beside DeepSpeed's files
-        model.config.save_pretrained(case.directory / CHECKPOINT)
+        model.config.save_pretrained(case.checkpoint)
     torch.distributed.barrier()
 
     model = initial_model(case.model)  # a fresh engine, as a resumed job builds it; load_checkpoint fills it
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    engine.load_checkpoint(str(case.directory / CHECKPOINT))
-    resumed, lrs = train_steps(
+    engine.load_checkpoint(str(case.checkpoint))
+    resumed = train_steps(
         engine,
-        range(SAVE_AT, SAVE_AT + RESUMED_STEPS),
+        range(case.save_at, case.save_at + RESUMED_STEPS),
         rank,
         world,
-        lambda: engine.optimizer.param_groups[0]["lr"],
+        lr=lambda: engine.optimizer.param_groups[0]["lr"],
+        loss_scale=(lambda: engine.optimizer.loss_scale) if case.fp16 else None,
+        applied=engine.was_step_applied if case.fp16 else None,
     )
     if rank == 0:
         record = {
             "deepspeed": deepspeed.__version__, "torch": torch.__version__, "stage": case.stage,
             "world": world, "config": config, "adamw": {**ADAMW, "betas": list(ADAMW["betas"])},
-            "losses_before_save": first, "resumed_losses": resumed, "resumed_lrs": lrs,
+            "losses_before_save": first.losses, "resumed_losses": resumed.losses, "resumed_lrs": resumed.lrs,
+            **({"resumed_loss_scales": resumed.loss_scales, "resumed_applied": resumed.applied} if case.fp16 else {}),
         }  # fmt: skip
         (case.directory / "resumed_losses.json").write_text(json.dumps(record, indent=2) + "\n")
-        for script in (case.directory / CHECKPOINT).glob("zero_to_*.py"):
+        for script in case.checkpoint.glob("zero_to_*.py"):
             script.unlink()
     torch.distributed.destroy_process_group()
 
 
-def main() -> int:
+def main(names: list[str]) -> int:
     if os.environ.get("DS_ACCELERATOR") != "cpu":
         print("set DS_ACCELERATOR=cpu (the fixtures are written on the CPU, over gloo)", file=sys.stderr)
         return 2
-    for case in CASES:
+    unknown = sorted(set(names) - {case.name for case in CASES})
+    if unknown:
+        print(f"no such case: {unknown}; the cases are {[case.name for case in CASES]}", file=sys.stderr)
+        return 2
+    for index, case in enumerate(CASES):
+        if names and case.name not in names:
+            continue
         shutil.rmtree(case.directory, ignore_errors=True)
         case.directory.mkdir(parents=True)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29700 + case.stage))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29700 + index))
         torch.multiprocessing.spawn(write_case, args=(case,), nprocs=case.world, join=True)
         print(f"wrote {case.directory}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

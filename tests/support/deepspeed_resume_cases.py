@@ -8,15 +8,17 @@ from pathlib import Path
 
 import torch
 
-from tests.support.deepspeed_fixtures import ADAMW, CASES, RESUMED_STEPS, SAVE_AT, tiny_config, train_steps
+from tests.support.deepspeed_fixtures import ADAMW, CASES, RESUMED_STEPS, tiny_config, train_steps
 from tnlg import TNLGForCausalLM
 from tnlg.sharding import initialize
+
+CASE = {case.name: case for case in CASES}
 
 
 def resumed_config(case_name: str, stage: int) -> dict:
     """The run's DeepSpeed JSON, at tnlg's world size and ZeRO stage: the micro batch is left to be
     derived from the global batch and the world size, as a user changing either would."""
-    (case,) = (case for case in CASES if case.name == case_name)
+    case = CASE[case_name]
     config = json.loads((case.directory / "resumed_losses.json").read_text())["config"]
     config.pop("train_micro_batch_size_per_gpu", None)
     return {**config, "zero_optimization": {"stage": stage}}
@@ -28,12 +30,22 @@ def resume_in_tnlg(rank: int, world: int, case_name: str, checkpoint: str, stage
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
     engine = initialize(model, optimizer, resumed_config(case_name, stage))
     summary = engine.load_checkpoint(Path(checkpoint))
-    steps = range(SAVE_AT, SAVE_AT + RESUMED_STEPS)
-    losses, lrs = train_steps(engine, steps, rank, world, lambda: engine.base_optimizer.param_groups[0]["lr"])
+    save_at = CASE[case_name].save_at
+    trace = train_steps(
+        engine,
+        range(save_at, save_at + RESUMED_STEPS),
+        rank,
+        world,
+        lr=lambda: engine.base_optimizer.param_groups[0]["lr"],
+        loss_scale=lambda: engine.loss_scale,
+        applied=lambda: not engine.step_was_skipped,
+    )
     kept = ("stage", "world_size", "global_steps", "adam_step")
     return {
-        "losses": losses,
-        "lrs": lrs,
+        "losses": trace.losses,
+        "lrs": trace.lrs,
+        "loss_scales": trace.loss_scales,
+        "applied": trace.applied,
         "global_steps": engine.global_steps,
         "summary": {key: value for key, value in summary.items() if key in kept},
     }
