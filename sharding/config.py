@@ -16,6 +16,7 @@ STAGES = (0, 1, 2, 3)
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
 OFFLOAD_DEVICES = ("none", "cpu")
 FUSED_ADAM_CHOICES = ("auto", "cuda", "triton", "reference", "none")
+LOSS_SCALE_COUNTINGS = ("torch", "deepspeed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,8 +32,15 @@ class ZeroConfig:
         start at `initial_loss_scale`; an overflow skips the step and halves the scale once
         `hysteresis` overflows have been absorbed (never below `min_loss_scale`: an overflow that would
         halve it there raises `LossScaleError`, as DeepSpeed's scaler does); `loss_scale_window`
-        overflow-free steps double it (torch's GradScaler count; DeepSpeed's first doubling after an
-        overflow, or at the start, comes one step later: see tnlg.sharding.loss_scaler).
+        overflow-free steps double it, counted as `loss_scale_counting` says.
+    loss_scale_counting: where the window's count starts. "torch": the window's clean steps in a row
+        double the scale (torch's GradScaler counts its `growth_interval` so, and Megatron-LM). "deepspeed":
+        DeepSpeed's DynamicLossScaler, which doubles at the window's + 1st clean step after the start
+        and after each overflow, then every window. A DeepSpeed JSON sets "deepspeed" (a ZeroConfig
+        stated in fields, or a run config without a JSON, keeps "torch"), so that the same JSON gives
+        the same scale path as under DeepSpeed.
+    consecutive_hysteresis: re-arm the hysteresis at every clean step, not only when the scale grows
+        (DeepSpeed's fp16.consecutive_hysteresis).
     static_loss_scale: a fixed fp16 loss scale instead of the dynamic one.
     gradient_clipping: clip the global gradient norm to this value; 0 disables clipping.
     reduce_bucket_size: elements of gradients reduced in one collective: consecutive parameters
@@ -78,6 +86,8 @@ class ZeroConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
+    loss_scale_counting: str = "torch"
+    consecutive_hysteresis: bool = False
     static_loss_scale: float | None = None
     gradient_clipping: float = 0.0
     reduce_bucket_size: int = 500_000_000
@@ -140,6 +150,7 @@ _CHOICES = {
     "offload_optimizer": OFFLOAD_DEVICES,
     "offload_param": OFFLOAD_DEVICES,
     "fused_adam": FUSED_ADAM_CHOICES,
+    "loss_scale_counting": LOSS_SCALE_COUNTINGS,
 }
 _INT_MINIMUMS = {
     "reduce_bucket_size": 1,
@@ -149,7 +160,7 @@ _INT_MINIMUMS = {
     "hysteresis": 1,
     "param_persistence_threshold": 0,
 }
-_BOOLS = ("overlap_comm", "reshard_after_forward", "allow_untested_optimizer")
+_BOOLS = ("overlap_comm", "reshard_after_forward", "allow_untested_optimizer", "consecutive_hysteresis")
 # field → (minimum, inclusive)
 _NUMBERS = {
     "gradient_clipping": (0.0, True),

@@ -14,11 +14,9 @@ class LossScaler:
 
     Dynamic scaling (DeepSpeed's hysteresis): an overflow skips the step; the first `hysteresis - 1`
     overflows since the last growth are absorbed, every further one halves the scale (not below
-    `min_loss_scale`); `loss_scale_window` clean steps in a row double it and re-arm the hysteresis.
-    That count is torch's GradScaler's (`growth_interval`, which `GradScalerKwargs` sets) and
-    Megatron-LM's; DeepSpeed's DynamicLossScaler doubles one step later after the start and after each
-    overflow (at the window's + 1st clean step, then every window), so an fp16 run's scale can double
-    one step earlier here than under DeepSpeed with the same JSON.
+    `min_loss_scale`); clean steps double it once `loss_scale_window` of them have passed and re-arm the
+    hysteresis (with `consecutive_hysteresis`, every clean step re-arms it). `loss_scale_counting`
+    says when the window is full ([Note: loss-scale counting]).
     An overflow that would halve a scale already at the minimum raises `LossScaleError`, as DeepSpeed's
     scaler does: from there every step would be skipped, and the run would go on training nothing.
     """
@@ -33,14 +31,24 @@ class LossScaler:
         self.window = config.loss_scale_window
         self.hysteresis = config.hysteresis
         self.min_scale = config.min_loss_scale
-        self._clean_steps = 0
+        self.consecutive_hysteresis = config.consecutive_hysteresis
+        # [Note: loss-scale counting]
+        # `_clean_steps` counts toward the window: the scale doubles when it reaches `window`, and it
+        # starts again from 0. torch's GradScaler (and Megatron-LM) count the clean steps themselves, from 0
+        # at the start and after each overflow, so the window's last clean step doubles. DeepSpeed's
+        # DynamicLossScaler doubles when the clean updates *before* this one since the last overflow (or
+        # the start) are a positive multiple of the window: at the window's + 1st clean step, then every
+        # window. Starting its count at -1 there, and again after each overflow, is that rule; the
+        # DeepSpeed checkpoint reader writes its position in the same count (zero_checkpoint.py).
+        self._restart = -1 if config.loss_scale_counting == "deepspeed" else 0
+        self._clean_steps = self._restart
         self._overflows_left = config.hysteresis
 
     def update(self, overflow: bool) -> None:
         if not self.dynamic:
             return
         if overflow:
-            self._clean_steps = 0
+            self._clean_steps = self._restart
             if self._overflows_left > 1:
                 self._overflows_left -= 1  # absorbed by hysteresis
             elif self.scale <= self.min_scale:
@@ -53,6 +61,8 @@ class LossScaler:
                 self.scale = max(self.scale / 2.0, self.min_scale)  # and every further overflow halves
             return
         self._clean_steps += 1
+        if self.consecutive_hysteresis:
+            self._overflows_left = self.hysteresis
         if self._clean_steps >= self.window:
             self.scale *= 2.0
             self._clean_steps = 0

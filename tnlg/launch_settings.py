@@ -203,9 +203,11 @@ _LOSS_SCALE_KEYS = (
 
 def with_grad_scaler_kwargs(settings: DeepSpeedConfig, given: Mapping[str, Any]) -> DeepSpeedConfig:
     """`settings` with a `GradScalerKwargs` handler applied to the engine's fp16 loss scaler, which plays
-    the GradScaler's part: init_scale is its initial scale, growth_interval its window. Its scaler doubles
-    and halves, so another growth / backoff factor (or enabled=False) is refused; so is a value that
-    differs from a loss-scale setting the config states itself."""
+    the GradScaler's part: init_scale is its initial scale, growth_interval its window (counted as the
+    config counts it: GradScaler's count, except under a DeepSpeed JSON, whose count is DeepSpeed's; see
+    [Note: loss-scale counting]). Its scaler doubles and halves, so another growth / backoff factor (or
+    enabled=False) is refused; so is a value that differs from a loss-scale setting the config states
+    itself."""
     handler = next((h for h in given.get("kwargs_handlers") or () if isinstance(h, GradScalerKwargs)), None)
     if handler is None or settings.zero.mixed_precision != "fp16":
         return settings  # Accelerate applies the handler only to an fp16 GradScaler too

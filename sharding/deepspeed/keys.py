@@ -156,9 +156,9 @@ FP16_KEYS = {
     "loss_scale_window": "loss_scale_window",
     "hysteresis": "hysteresis",
     "min_loss_scale": "min_loss_scale",
+    "consecutive_hysteresis": "consecutive_hysteresis",
 }
 FP16_RULES = {
-    "consecutive_hysteresis": KeyRule("hysteresis is re-armed only when the scale grows", **at(False)),
     "auto_cast": KeyRule("tnlg casts the parameters, not the inputs", **at(False)),
     "fp16_master_weights_and_grads": KeyRule("master weights are always fp32", **at(False)),
 }

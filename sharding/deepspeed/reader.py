@@ -56,6 +56,8 @@ def engine_settings(
     with _naming(source):
         if mapping_kind(config) == "fields":
             return DeepSpeedConfig(ZeroConfig(**config), source=source)
+        if set(config) <= {"gradient_clipping"}:  # as ZeroConfig fields read it (see `mapping_kind`)
+            return _load(config, source, auto, {"loss_scale_counting": ZeroConfig.loss_scale_counting})
         return _load(config, source, auto)
 
 
@@ -101,7 +103,8 @@ def mapping_kind(config: Mapping[str, Any]) -> str:
     that mixes the two, or whose keys are neither, is a ValueError naming the keys."""
     own = {f.name for f in fields(ZeroConfig)}
     keys = {str(key) for key in config}
-    # `gradient_clipping` is both a field and a top-level DeepSpeed key: alone, it reads the same either way.
+    # `gradient_clipping` is both a field and a top-level DeepSpeed key: alone, it reads the same either way
+    # (`engine_settings` keeps ZeroConfig's loss-scale counting for it).
     field_keys = sorted(keys & own - {"gradient_clipping"})
     deepspeed_keys = sorted(keys & TOP_LEVEL_KEYS - {"gradient_clipping"})
     if field_keys and deepspeed_keys:
@@ -195,7 +198,9 @@ def _load(
             f"invalid DeepSpeed config: unknown keys {', '.join(reader.unknown)}; tnlg refuses keys it does "
             "not know rather than train without them"
         )
-    zero = reader.zero_config(defaults)
+    # The JSON's fp16 loss_scale_window counts as DeepSpeed's scaler counts it ([Note: loss-scale
+    # counting]); a default, not the JSON's own setting, so that a run config's zero section may change it.
+    zero = reader.zero_config({"loss_scale_counting": "deepspeed", **(defaults or {})})
     _check_communication_dtype(config.get("communication_data_type"), zero)
     loaded = DeepSpeedConfig(
         zero,

@@ -347,7 +347,9 @@ def _loss_scaler(value: Any) -> dict[str, Any]:
         # overflow is -1) and doubles at the clean update after `window`, 2 `window`, ... of them.
         # tnlg's LossScaler doubles once its clean_steps reach its window and starts again from 0.
         # With clean_steps `(clean - 1) % window` (-1 before any clean update) its next doubling
-        # falls on DeepSpeed's next; the hysteresis left is the same count on both sides.
+        # falls on DeepSpeed's next; the hysteresis left is the same count on both sides. Under
+        # loss_scale_counting "deepspeed" (a DeepSpeed JSON's) the later ones do too: its count
+        # restarts at -1 after an overflow, as this one does here ([Note: loss-scale counting]).
         scaler["loss_scale_clean_steps"] = (clean - 1) % window if clean else -1
         scaler["loss_scale_overflows_left"] = hysteresis_left
     return scaler

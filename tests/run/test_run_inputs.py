@@ -269,6 +269,24 @@ def test_a_deepspeed_json_fills_what_the_run_leaves_unset(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("overrides", "counting"),
+    [([], "deepspeed"), (["--zero.loss_scale_counting", "torch"], "torch")],
+)
+def test_a_deepspeed_json_counts_the_loss_scale_window_as_deepspeed_unless_the_run_says(
+    tmp_path, overrides, counting
+):
+    # DeepSpeed's count is the JSON's default, not a key it states, so the run's zero section may choose
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"fp16": {"enabled": True, "loss_scale_window": 3}}))
+    config = load_run_config(
+        DEBUG, ["--zero.deepspeed", str(path), "--train.mixed_precision", "fp16", *overrides]
+    )
+    zero = config.zero.to_zero_config("fp16")
+    assert (zero.loss_scale_counting, zero.loss_scale_window) == (counting, 3)
+    assert load_run_config(DEBUG, []).zero.to_zero_config("fp16").loss_scale_counting == "torch"
+
+
+@pytest.mark.parametrize(
     ("json_config", "overrides", "stage"),
     [
         ({"gradient_clipping": 1.0}, [], RUN_DEFAULT_STAGE),

@@ -154,6 +154,7 @@ def test_hf_zero3_maps_every_field_and_lists_ignored_keys():
         param_persistence_threshold=10_000,
         max_live_parameters=1_000_000_000,
         offload_optimizer="cpu",
+        loss_scale_counting="deepspeed",  # every DeepSpeed JSON's
     )
     assert config == expected
     assert type(config.max_live_parameters) is int  # 1e9 in JSON
@@ -181,6 +182,7 @@ def test_zero2_json_file_and_ignored_keys_warning(tmp_path, caplog):
         hysteresis=4,
         reduce_bucket_size=200_000_000,
         overlap_comm=False,
+        loss_scale_counting="deepspeed",
     )
     [record] = caplog.records
     assert record.levelno == logging.INFO  # known keys that cannot change results; unknown ones are errors
@@ -192,7 +194,7 @@ def test_zero2_json_file_and_ignored_keys_warning(tmp_path, caplog):
 def test_built_in_keys_and_null_offload_are_not_warned_about(caplog):
     with caplog.at_level(logging.WARNING):
         config = zero_config_from_deepspeed(zero(stage=3, contiguous_gradients=True, offload_param=None))
-    assert config == ZeroConfig(stage=3)
+    assert config == ZeroConfig(stage=3, loss_scale_counting="deepspeed")
     assert caplog.records == []
 
 
@@ -206,7 +208,11 @@ def test_auto_fp16_takes_loss_scaling_from_the_section_and_keywords():
     fp16 = {"enabled": "auto", "initial_scale_power": "auto", "loss_scale_window": 500, "min_loss_scale": 2}
     config, _ = parse_deepspeed({"fp16": fp16}, mixed_precision="fp16", initial_scale_power=10)
     assert config == ZeroConfig(
-        mixed_precision="fp16", initial_loss_scale=1024.0, loss_scale_window=500, min_loss_scale=2
+        mixed_precision="fp16",
+        initial_loss_scale=1024.0,
+        loss_scale_window=500,
+        min_loss_scale=2,
+        loss_scale_counting="deepspeed",
     )
 
 

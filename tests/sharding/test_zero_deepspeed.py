@@ -151,7 +151,6 @@ def test_keys_safe_to_ignore_are_logged_once_at_info_with_the_reason(caplog):
         ({"checkpoint": {"load_universal": True}}, 'not the universal format.*"load_universal": false'),
         ({"autotuning": {"enabled": True}}, "writes the autotuning metric and exits"),
         ({"bf16": {"enabled": True, "check_grad_overflow": False}}, "bf16.check_grad_overflow = false"),
-        ({"fp16": {"enabled": True, "consecutive_hysteresis": True}}, "fp16.consecutive_hysteresis = true"),
         (adamw(max_grad_norm=1.0), "optimizer.params.max_grad_norm = 1.0 .*gradient_clipping\\); remove it"),
         (adamw(bias_correction=False), "optimizer.params.bias_correction = false"),
         (adamw(amsgrad=True), "optimizer.params.amsgrad needs torch_adam"),

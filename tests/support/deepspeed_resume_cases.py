@@ -8,7 +8,14 @@ from pathlib import Path
 
 import torch
 
-from tests.support.deepspeed_fixtures import ADAMW, CASES, RESUMED_STEPS, tiny_config, train_steps
+from tests.support.deepspeed_fixtures import (
+    ADAMW,
+    CASES,
+    RESUMED_STEPS,
+    initial_model,
+    tiny_config,
+    train_steps,
+)
 from tnlg import TNLGForCausalLM
 from tnlg.sharding import initialize
 
@@ -49,6 +56,25 @@ def resume_in_tnlg(rank: int, world: int, case_name: str, checkpoint: str, stage
         "global_steps": engine.global_steps,
         "summary": {key: value for key, value in summary.items() if key in kept},
     }
+
+
+def train_in_tnlg_from_start(rank: int, world: int, case_name: str, stage: int) -> dict:
+    """The case's whole DeepSpeed run (its steps before the save and the resumed ones) trained by tnlg's
+    engine from DeepSpeed's initial weights with DeepSpeed's JSON (at tnlg's world size and stage)."""
+    case = CASE[case_name]
+    model = initial_model(case.model)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    engine = initialize(model, optimizer, resumed_config(case_name, stage))
+    trace = train_steps(
+        engine,
+        range(case.save_at + RESUMED_STEPS),
+        rank,
+        world,
+        lr=lambda: engine.base_optimizer.param_groups[0]["lr"],
+        loss_scale=lambda: engine.loss_scale,
+        applied=lambda: not engine.step_was_skipped,
+    )
+    return trace._asdict()
 
 
 def loss_scale_after_resume(rank: int, world: int, case_name: str, checkpoint: str) -> float:
