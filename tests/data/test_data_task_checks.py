@@ -124,3 +124,29 @@ def test_a_tokenizer_without_offsets_keeps_the_answer_too(tokenizer):
     task = TaskFormat("extractive_qa", max_length=160, truncation_side="left")
     example = encode_example(row, task, SlowTokenizer(tokenizer))
     assert "Paris" in prompt_of(tokenizer, example).split("\n\nQuestion:")[0]
+
+
+class CountingTokenizer:
+    """A fast tokenizer that counts the times it is given `text` (alone or in a batch)."""
+
+    is_fast = True
+
+    def __init__(self, tokenizer, text: str):
+        self.tokenizer, self.text, self.calls = tokenizer, text, 0
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def __call__(self, texts, **kwargs):
+        self.calls += (texts == self.text) if isinstance(texts, str) else list(texts).count(self.text)
+        return self.tokenizer(texts, **kwargs)
+
+
+def test_a_qa_context_longer_than_its_room_is_tokenized_once(tokenizer):
+    # it was tokenized for its ids and again for the offsets that place its answer
+    context = FILLER + "The capital of France is Paris. " + FILLER
+    row = {"context": context, "question": "What is the capital of France?", "answer": "Paris"}
+    task = TaskFormat("extractive_qa", max_length=160, truncation_side="left")
+    counting = CountingTokenizer(tokenizer, context)
+    example = encode_example(row, task, counting)
+    assert counting.calls == 1
+    assert example == encode_example(row, task, tokenizer)
+    assert "Paris" in prompt_of(tokenizer, example).split("\n\nQuestion:")[0]

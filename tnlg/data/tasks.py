@@ -248,12 +248,23 @@ def _long_field_tokens(values: dict[str, Any], task: TaskFormat, tokenizer, budg
     """The long field's tokens, cut to `budget` from `truncation_side`, except that an extractive-QA
     context keeps its answer ([Note: the answer's window])."""
     long_field = TASKS[task.kind]["truncate"]
+    text = str(values[long_field])
+    offsets = None
     # Field text is data: special-token text in it stays text ([Note: special-token text] in tokenizer.py).
-    long_ids = encode_text(tokenizer, str(values[long_field]))
+    if task.kind == "extractive_qa" and getattr(tokenizer, "is_fast", False):
+        # one pass gives the ids and, should the context need cutting, where its answer lies
+        encoded = tokenizer(
+            text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True
+        )
+        long_ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    else:
+        long_ids = encode_text(tokenizer, text)
     if len(long_ids) <= budget:
         return long_ids
     start = len(long_ids) - budget if task.truncation_side == "left" else 0
-    answer = _answer_tokens(values, tokenizer, len(long_ids)) if task.kind == "extractive_qa" else None
+    answer = (
+        _answer_tokens(values, tokenizer, len(long_ids), offsets) if task.kind == "extractive_qa" else None
+    )
     if answer is not None and not (start <= answer[0] and answer[1] <= start + budget):
         start = _answer_window(answer, len(long_ids), budget, f"{values['question']}\n{values['context']}")
     return long_ids[start : start + budget]
@@ -273,24 +284,23 @@ def _answer_window(answer: tuple[int, int], length: int, budget: int, key: str) 
     return lowest + zlib.crc32(key.encode("utf-8")) % (highest - lowest + 1)
 
 
-def _answer_tokens(values: dict[str, Any], tokenizer, length: int) -> tuple[int, int] | None:
+def _answer_tokens(
+    values: dict[str, Any], tokenizer, length: int, offsets: list[tuple[int, int]] | None
+) -> tuple[int, int] | None:
     """[first, end) of the context's `length` tokens that hold the target answer; None when it is not
-    there."""
+    there. `offsets`: each token's character span (a fast tokenizer's), else None."""
     context, answer, start = values["context"], values["answer"], values["answer_start"]
     if start is None or context[start : start + len(answer)] != answer:
         start = context.find(answer)
     if start < 0:
         return None
     end = start + len(answer)
-    if not getattr(tokenizer, "is_fast", False):
+    if offsets is None:
         # no offsets: the tokens of the text before the answer and up to its end bound it, one token
         # wider on each side, since a token may straddle either boundary
         first = max(0, len(encode_text(tokenizer, context[:start])) - 1)
         return first, min(length, len(encode_text(tokenizer, context[:end])) + 1)
-    encoded = tokenizer(
-        context, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True
-    )
-    inside = [i for i, (a, b) in enumerate(encoded["offset_mapping"]) if a < end and b > start]
+    inside = [i for i, (a, b) in enumerate(offsets) if a < end and b > start]
     return (inside[0], inside[-1] + 1) if inside else None
 
 
