@@ -192,6 +192,15 @@ def optimizer_beyond_the_model(rank: int, world_size: int) -> str:
     return "accepted"
 
 
+def _forward_states(stage) -> dict:
+    """A torch PipelineStage's per-micro-batch forward states, which clear_runtime_states empties: torch's
+    own attribute, `fwd_cache` up to 2.14 and `_forward_chunk_states` from 2.15 (no public reader)."""
+    for name in ("fwd_cache", "_forward_chunk_states"):
+        if hasattr(stage, name):
+            return getattr(stage, name)
+    raise AttributeError(f"{type(stage).__name__} has neither fwd_cache nor _forward_chunk_states")
+
+
 def schedules_kept(rank: int, world_size: int) -> dict:
     """Steps at two sequence lengths, then an evaluation: how many schedules and stage states remain."""
     model = make_tnlg()
@@ -204,7 +213,7 @@ def schedules_kept(rank: int, world_size: int) -> dict:
     stages = runner._cached[2]
     result = {
         "key": runner._schedule_key,
-        "leftovers": sum(len(stage.fwd_cache) + len(stage.output_chunks) for stage in stages),
+        "leftovers": sum(len(_forward_states(stage)) + len(stage.output_chunks) for stage in stages),
         "training": engine.module.training,
     }
     engine.close()
