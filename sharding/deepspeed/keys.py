@@ -238,7 +238,7 @@ TOP_ZERO_KEYS = {
     "zero_allow_untested_optimizer": "allow_untested_optimizer",
 }
 _APPLIED = ("zero_optimization", "bf16", "bfloat16", "fp16", *TOP_ZERO_KEYS, "optimizer", "scheduler")
-TOP_LEVEL_KEYS = frozenset((*_APPLIED, *BATCH_KEYS, *TOP_RULES, "communication_data_type"))
+TOP_LEVEL_KEYS = frozenset((*_APPLIED, *BATCH_KEYS, *TOP_RULES, "communication_data_type", "data_types"))
 COMMUNICATION_DTYPES = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 

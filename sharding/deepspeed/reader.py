@@ -191,7 +191,7 @@ def _load(
             training["optimizer"] = _read_optimizer(as_section(key, raw), reader)
         elif key == "scheduler":
             training["scheduler"] = _read_scheduler(as_section(key, raw), reader)
-        elif key != "communication_data_type":
+        elif key not in ("communication_data_type", "data_types"):  # checked against the precision below
             reader.other(key, key, raw, TOP_RULES, TOP_LEVEL_KEYS)
     if reader.unknown:
         raise ValueError(
@@ -202,6 +202,7 @@ def _load(
     # counting]); a default, not the JSON's own setting, so that a run config's zero section may change it.
     zero = reader.zero_config({"loss_scale_counting": "deepspeed", **(defaults or {})})
     _check_communication_dtype(config.get("communication_data_type"), zero)
+    _check_data_types(config.get("data_types"), zero)
     loaded = DeepSpeedConfig(
         zero,
         TrainingConfig(**training),
@@ -304,3 +305,41 @@ def _check_communication_dtype(raw: Any, zero: ZeroConfig) -> None:
         f"invalid DeepSpeed config: communication_data_type = {json.dumps(raw)} is not supported (tnlg "
         f"communicates in the compute dtype, here {expected}); remove it or set it to {expected!r}"
     )
+
+
+# data_types (DeepSpeed's per-tensor dtypes) → what tnlg does, for the errors.
+_DATA_TYPES = {
+    "grad_accum_dtype": "accumulates gradients in the compute dtype's buffers",
+    "param_dtype": "holds the parameters in the compute dtype",
+}
+
+
+def _check_data_types(raw: Any, zero: ZeroConfig) -> None:
+    """DeepSpeed's `data_types`: each dtype unset (null) or the compute dtype, which is what tnlg does. fp32
+    gradient accumulation under bf16 (DeepSpeed's BF16_Optimizer at stage 1) is refused: tnlg accumulates
+    in the 16-bit buffers. A checkpoint DeepSpeed saved with it still loads (zero_checkpoint.py)."""
+    if raw is None:
+        return
+    section = as_section("data_types", raw)
+    compute = COMMUNICATION_DTYPES[zero.mixed_precision]
+    for key, value in section.items():
+        path = f"data_types.{key}"
+        if key == "keep_in_fp32_modules":
+            continue  # which buffers zero.Init keeps in fp32: the engine leaves every buffer in its own dtype
+        if key == "buffer_dtype":
+            if value is not None:
+                raise ValueError(
+                    f"invalid DeepSpeed config: {path} = {json.dumps(value)} is not supported (the engine "
+                    "leaves every buffer in the dtype it was loaded in); remove it or set it to null"
+                )
+            continue
+        if key not in _DATA_TYPES:
+            known = [*_DATA_TYPES, "buffer_dtype", "keep_in_fp32_modules"]
+            raise ValueError(
+                f"invalid DeepSpeed config: unknown keys {'data_types.' + suggest(key, set(known))}"
+            )
+        if value is not None and value != compute:
+            raise ValueError(
+                f"invalid DeepSpeed config: {path} = {json.dumps(value)} is not supported (tnlg "
+                f"{_DATA_TYPES[key]}, here {compute}); remove it or set it to {compute!r}"
+            )

@@ -8,7 +8,10 @@ tensors by parameter name: the fp32 masters, Adam's moments and step, the loss s
                                                  group), `shared_params` (tied aliases), `global_steps`,
                                                  `dp_world_size`, `lr_scheduler`, `ds_config`
     DIR/<tag>/zero_pp_rank_R_mp_rank_00_model_states.pt   stage 3: the same, one per rank, weights empty
-    DIR/<tag>/[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt   rank R's `optimizer_state_dict`
+    DIR/<tag>/[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt   rank R's `optimizer_state_dict`: a
+                                                 ZeRO optimizer's (with its `zero_stage`), or at stage 1
+                                                 in bf16 with fp32 gradient accumulation BF16_Optimizer's
+                                                 (no `zero_stage`, no loss scaler; ZeRO-1's partitions)
 The Transformers Trainer's DeepSpeed integration passes its `checkpoint-N/` as DIR, so its layout is
 `checkpoint-N/latest` and `checkpoint-N/global_stepN/`: the same files one level down. Saved without
 ZeRO (stage 0, fp32 or fp16), mp_rank_00_model_states.pt holds the optimizer itself, `param_shapes` is
@@ -66,7 +69,7 @@ class DeepSpeedZeroState:
     shared: dict[str, str] = field(default_factory=dict)  # a tied alias -> the parameter it is
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     loss_scale: float = 1.0
-    # Whether DeepSpeed's fp16 loss scaler was dynamic; None: the run saved no loss scaler (bf16 or fp32)
+    # Whether DeepSpeed's fp16 loss scaler was dynamic; None: not an fp16 run (bf16 or fp32)
     loss_scale_dynamic: bool | None = None
     # A dynamic scaler's position, as tnlg's LossScaler counts it (see `_loss_scaler`); None: not saved
     loss_scale_clean_steps: int | None = None
@@ -154,7 +157,7 @@ def read_deepspeed_checkpoint(path: str | Path) -> DeepSpeedZeroState:
             raise CheckpointError(
                 f"{directory / name} has no optimizer_state_dict: not a ZeRO optimizer file"
             )
-    stage = _stage(states[0].get("zero_stage"), directory / optimizer_files[0])
+    stage = _saved_stage(states[0], directory / optimizer_files[0])
     shapes = model.get("param_shapes")
     if not isinstance(shapes, list) or not all(isinstance(group, dict) for group in shapes):
         raise CheckpointError(f"{directory / first} has no param_shapes list: not a ZeRO model-states file")
@@ -182,7 +185,8 @@ def read_deepspeed_checkpoint(path: str | Path) -> DeepSpeedZeroState:
         masters=masters, moments=moments, adam_steps=base["steps"], param_groups=base["param_groups"],
         shared=dict(model.get("shared_params") or {}),
         buffers={name: module[name] for name in model.get("buffer_names") or [] if name in module},
-        **_loss_scaler(states[0].get("loss_scaler")), lr_scheduler=model.get("lr_scheduler"),
+        **_loss_scaler(states[0].get("loss_scaler"), _fp16_run(model, optimizer_files[0])),
+        lr_scheduler=model.get("lr_scheduler"),
     )  # fmt: skip
 
 
@@ -314,6 +318,27 @@ def _optimizer_files(directory: Path, names: list[str], world: int) -> list[str]
     return [by_rank[rank] for rank in range(world)]
 
 
+# What DeepSpeed's BF16_Optimizer saves instead of a ZeRO optimizer's zero_stage and loss scaler.
+BF16_OPTIMIZER_KEYS = frozenset(
+    (
+        "clip_grad",
+        "base_optimizer_state",
+        "single_partition_of_fp32_groups",
+        "group_paddings",
+        "partition_count",
+    )
+)
+
+
+def _saved_stage(state: dict[str, Any], path: Path) -> int:
+    """The ZeRO stage an optimizer file was saved at: its `zero_stage`, or 1 for DeepSpeed's BF16_Optimizer,
+    which saves none. DeepSpeed takes that optimizer for bf16 at ZeRO stage 1 with fp32 gradient
+    accumulation (`data_types.grad_accum_dtype`); its fp32 partitions are laid out as ZeRO-1's."""
+    if "zero_stage" not in state and state.keys() >= BF16_OPTIMIZER_KEYS:
+        return 1
+    return _stage(state.get("zero_stage"), path)
+
+
 def _stage(value: Any, path: Path) -> int:
     """`zero_stage`: DeepSpeed's ZeroStageEnum (an IntEnum, rebuilt inert with its value as args[0])."""
     stage = value.args[0] if hasattr(value, "args") and value.args else value
@@ -322,14 +347,27 @@ def _stage(value: Any, path: Path) -> int:
     return stage
 
 
-def _loss_scaler(value: Any) -> dict[str, Any]:
+def _fp16_run(model: dict[str, Any], optimizer_file: str) -> bool:
+    """Whether the run trained in fp16: not when its files are named bf16_* (DeepSpeed's mark of a bf16
+    run), else as the ds_config saved in the model states says; a checkpoint without one counts as fp16
+    where it saved a loss scaler (`_loss_scaler` then reads the scaler as it is)."""
+    config = model.get("ds_config")
+    if optimizer_file.startswith("bf16_"):
+        return False
+    if not isinstance(config, dict):
+        return True
+    fp16 = config.get("fp16")
+    return isinstance(fp16, dict) and fp16.get("enabled") is True
+
+
+def _loss_scaler(value: Any, fp16: bool) -> dict[str, Any]:
     """DeepSpeed's saved fp16 scaler as `loss_scale` and `loss_scale_dynamic` (its `dynamic`: True for
     DynamicLossScaler, False for the static one), and a dynamic one's position on its path as tnlg's
     LossScaler counts it (`loss_scale_clean_steps`, `loss_scale_overflows_left`), so that the resumed
     scale grows and halves at the steps DeepSpeed's would (see [Note: DeepSpeed's scaler position]);
-    a bf16 or fp32 run saves none: scale 1, None."""
+    bf16 and fp32 runs save a static scale of 1 that scales nothing: scale 1, None."""
     state = getattr(value, "state", None)
-    if not (isinstance(state, dict) and "cur_scale" in state):
+    if not fp16 or not (isinstance(state, dict) and "cur_scale" in state):
         return {"loss_scale": 1.0, "loss_scale_dynamic": None}
     scaler = {
         "loss_scale": float(state["cur_scale"]),

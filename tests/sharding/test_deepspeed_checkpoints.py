@@ -52,8 +52,36 @@ def test_tnlg_resumes_a_deepspeed_run_with_deepspeeds_own_next_losses(name, worl
     }
 
 
+@pytest.mark.parametrize(
+    ("name", "world", "stage"),
+    [
+        ("stage1_world2_bf16_fp32_gradients", 1, 2),  # DeepSpeed's BF16_Optimizer: no zero_stage saved
+        ("stage2_world2_bf16", 2, 3),
+        ("stage3_world2_bf16", 1, 2),
+    ],
+)
+def test_tnlg_resumes_a_deepspeed_bf16_run_with_deepspeeds_own_next_losses(name, world, stage):
+    """bf16 runs (DeepSpeed's bf16_zero_pp_rank_* files) at ZeRO 1-3, ZeRO 1 under the BF16_Optimizer
+    that DeepSpeed takes for fp32 gradient accumulation (which tnlg's engine does not do: the resumed
+    run accumulates in bf16). The first resumed loss comes from the restored weights: DeepSpeed's own to
+    2.3e-5 (stage 3, where DeepSpeed runs its own linear function) or exactly; the later ones from bf16
+    updates, which round apart (up to 6.6e-5)."""
+    result = run_distributed(resume_in_tnlg, world, name, str(CASE[name].checkpoint), stage, timeout=300)[0]
+    record = deepspeed_record(name)
+    first, *later = zip(result["losses"], record["resumed_losses"], strict=True)
+    assert abs(first[0] - first[1]) <= 3e-5 * abs(first[1]), (result["losses"], record["resumed_losses"])
+    for ours, theirs in later:
+        assert abs(ours - theirs) <= 2e-4 * abs(theirs), (result["losses"], record["resumed_losses"])
+    assert result["summary"] == {
+        "stage": CASE[name].stage,
+        "world_size": 2,
+        "global_steps": 3,
+        "adam_step": 3,
+    }
+
+
 def test_an_fp16_engine_keeps_its_loss_scale_over_a_run_that_saved_none():
-    # the fixtures are fp32 DeepSpeed runs (no loss scaler saved): their scale of 1 must not replace the
+    # the fixtures are fp32 DeepSpeed runs (a static scale of 1 saved): their scale must not replace the
     # fp16 engine's initial 2**12 (it did, and a scale of 1 takes ~12k clean steps to grow back)
     name = "stage2_world2"
     checkpoint = str(CASE[name].directory / CHECKPOINT)
@@ -95,24 +123,30 @@ def test_the_warmup_schedule_resumes_where_deepspeed_left_it():
     assert result["lrs"] == pytest.approx(expected, rel=1e-12)
 
 
-def test_adams_moments_and_step_are_read():
+@pytest.mark.parametrize("name", ["stage2_world2", "stage1_world2_bf16_fp32_gradients"])
+def test_adams_moments_and_step_are_read(name):
     """Adam's second moments are read non-zero for every parameter and its step is the saved one (with
     them zeroed, the resumed losses above differ from DeepSpeed's: 4.5963 against 4.5930)."""
-    name = "stage2_world2"
     state = read_deepspeed_checkpoint(CASE[name].directory / CHECKPOINT)
     assert all(float(t.abs().max()) > 0 for t in state.moments["exp_avg_sq"].values())
     assert state.adam_steps == [SAVE_AT]
 
 
-@pytest.mark.parametrize("name", ["stage1_world2", "stage2_world2"])
+@pytest.mark.parametrize(
+    "name", ["stage1_world2", "stage2_world2", "stage1_world2_bf16_fp32_gradients", "stage2_world2_bf16"]
+)
 def test_masters_are_the_weights_deepspeed_saved(name):
-    """At stages 1-2 DeepSpeed also saves the module's weights whole (fp32 here): the masters rebuilt
-    from its flat partitions are exactly those, and the tied head is recorded as an alias."""
+    """At stages 1-2 DeepSpeed also saves the module's weights whole (in the training dtype): the masters
+    rebuilt from its flat partitions are exactly those (rounded to bf16 for the bf16 runs), and the tied
+    head is recorded as an alias."""
     state = read_deepspeed_checkpoint(CASE[name].directory / CHECKPOINT)
     module = torch.load(state.directory / "mp_rank_00_model_states.pt", weights_only=True)["module"]
     assert set(state.masters) == set(module) - {"lm_head.weight"}
     for parameter, tensor in state.masters.items():
-        assert torch.equal(tensor, module[parameter]), parameter
+        assert torch.equal(tensor.to(module[parameter].dtype), module[parameter]), parameter
+    assert {tensor.dtype for tensor in module.values()} == {
+        torch.bfloat16 if CASE[name].precision == "bf16" else torch.float32
+    }
     assert state.shared == {"lm_head.weight": "model.embed_tokens.weight"}
     assert "deepspeed" not in sys.modules  # read without importing DeepSpeed
 

@@ -151,6 +151,11 @@ def test_keys_safe_to_ignore_are_logged_once_at_info_with_the_reason(caplog):
         ({"checkpoint": {"load_universal": True}}, 'not the universal format.*"load_universal": false'),
         ({"autotuning": {"enabled": True}}, "writes the autotuning metric and exits"),
         ({"bf16": {"enabled": True, "check_grad_overflow": False}}, "bf16.check_grad_overflow = false"),
+        (
+            {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+            'data_types.grad_accum_dtype = "fp32" .*compute dtype.s buffers, here bf16.*set it to .bf16.',
+        ),
+        ({"data_types": {"buffer_dtype": "bf16"}}, 'data_types.buffer_dtype = "bf16" .*set it to null'),
         (adamw(max_grad_norm=1.0), "optimizer.params.max_grad_norm = 1.0 .*gradient_clipping\\); remove it"),
         (adamw(bias_correction=False), "optimizer.params.bias_correction = false"),
         (adamw(amsgrad=True), "optimizer.params.amsgrad needs torch_adam"),
@@ -551,3 +556,19 @@ def test_the_accelerator_refuses_what_disagrees_with_the_json():
     assert result["scheduler_alone"] == "accepted"
     assert "the Accelerator's mixed_precision='fp16' conflicts with" in result["precision"]
     assert "which enables bf16" in result["precision"]
+
+
+def test_data_types_at_what_the_engine_does_are_accepted_and_typos_named():
+    # gradients accumulate, and parameters live, in the compute dtype; every buffer keeps its own dtype
+    same = {
+        "grad_accum_dtype": "bf16",
+        "param_dtype": "bf16",
+        "buffer_dtype": None,
+        "keep_in_fp32_modules": [],
+    }
+    assert load_deepspeed({"bf16": {"enabled": True}, "data_types": same}).zero.mixed_precision == "bf16"
+    assert load_deepspeed({"data_types": {"grad_accum_dtype": "fp32"}}).zero.mixed_precision == "no"
+    with pytest.raises(
+        ValueError, match=r"unknown keys data_types\.grad_acum_dtype \(did you mean 'grad_accum_dtype'"
+    ):
+        load_deepspeed({"data_types": {"grad_acum_dtype": "fp32"}})

@@ -21,6 +21,10 @@ ran at and whether its update was applied. DeepSpeed's CPU accelerator reports f
 has fp16 kernels (AVX512-FP16 or AMX-FP16), which CPUs without them lack although torch runs every op
 of this model in fp16 there, so for these cases its check is answered yes.
 
+The bf16 cases train with the module in bf16 (DeepSpeed's bf16_zero_pp_rank_* files) at ZeRO 1-3; at
+stage 1 with fp32 gradient accumulation (`data_types.grad_accum_dtype`), for which DeepSpeed takes its
+BF16_Optimizer instead of ZeRO's and saves no `zero_stage`.
+
 DeepSpeed's copy of its consolidation script (zero_to_torch.py in 0.19) is dropped from the committed tree (it is DeepSpeed's code, and
 nothing here runs it); the rest is as DeepSpeed wrote it.
 """
@@ -55,12 +59,20 @@ class Case:
     world: int
     warmup: bool = False  # DeepSpeed's WarmupLR, still warming up when saved and after
     model: str = "tnlg"  # or "gpt2": a Transformers GPT2LMHeadModel of the same shape
-    fp16: bool = False  # under DeepSpeed's dynamic loss scaler (FP16_SCALING)
+    precision: str = "fp32"  # or "fp16" (under DeepSpeed's dynamic loss scaler, FP16_SCALING) or "bf16"
+    # bf16 at stage 1 with fp32 gradient accumulation (data_types.grad_accum_dtype): DeepSpeed's BF16_Optimizer
+    fp32_gradients: bool = False
     save_at: int = SAVE_AT
+
+    @property
+    def fp16(self) -> bool:
+        return self.precision == "fp16"
 
     @property
     def name(self) -> str:
         name = f"stage{self.stage}_world{self.world}" + ("_gpt2" if self.model == "gpt2" else "")
+        if self.precision == "bf16":
+            return name + "_bf16" + ("_fp32_gradients" if self.fp32_gradients else "")
         return name + (f"_fp16_step{self.save_at}" if self.fp16 else "")
 
     @property
@@ -77,8 +89,11 @@ CASES = (
     Case(stage=2, world=2, warmup=True),
     Case(stage=3, world=4),
     Case(stage=3, world=2, model="gpt2"),
-    Case(stage=2, world=2, fp16=True, save_at=1),
-    Case(stage=2, world=2, fp16=True, save_at=4),
+    Case(stage=2, world=2, precision="fp16", save_at=1),
+    Case(stage=2, world=2, precision="fp16", save_at=4),
+    Case(stage=1, world=2, precision="bf16", fp32_gradients=True),
+    Case(stage=2, world=2, precision="bf16"),
+    Case(stage=3, world=2, precision="bf16"),
 )
 # From 2**18 this model's gradients overflow fp16 at the first two steps, then not at 2**17.
 FP16_SCALING = {"initial_scale_power": 18, "loss_scale_window": 3, "hysteresis": 2, "min_loss_scale": 1}
@@ -134,6 +149,8 @@ def deepspeed_config(case: Case) -> dict:
         "gradient_clipping": 1.0,
         "steps_per_print": 1000,
         **({"fp16": {"enabled": True, **FP16_SCALING}} if case.fp16 else {}),
+        **({"bf16": {"enabled": True}} if case.precision == "bf16" else {}),
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if case.fp32_gradients else {}),
     }
 
 

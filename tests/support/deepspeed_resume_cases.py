@@ -28,6 +28,9 @@ def resumed_config(case_name: str, stage: int) -> dict:
     case = CASE[case_name]
     config = json.loads((case.directory / "resumed_losses.json").read_text())["config"]
     config.pop("train_micro_batch_size_per_gpu", None)
+    # fp32 gradient accumulation (DeepSpeed's BF16_Optimizer) is refused by tnlg, which accumulates in bf16;
+    # the checkpoint it saved loads all the same
+    config.pop("data_types", None)
     return {**config, "zero_optimization": {"stage": stage}}
 
 

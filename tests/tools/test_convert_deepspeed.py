@@ -33,9 +33,11 @@ def test_converted_model_scores_deepspeeds_resumed_loss(name):
     case = CASE[name]
     model = from_deepspeed(case.checkpoint)
     assert isinstance(model, TNLGForCausalLM)
-    if case.fp16:  # DeepSpeed's resumed run computed in fp16, from the fp32 masters rounded to it
-        model = model.half()
-    assert loss_of(model, case.save_at) == pytest.approx(deepspeed_first_resumed_loss(name), rel=1e-5)
+    # DeepSpeed's resumed run computed in its training dtype, from the fp32 masters rounded to it
+    model = model.to({"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[case.precision])
+    # in bf16 at stage 3 DeepSpeed's own linear function rounds apart from torch's (2.3e-5)
+    tolerance = 3e-5 if case.precision == "bf16" and case.stage == 3 else 1e-5
+    assert loss_of(model, case.save_at) == pytest.approx(deepspeed_first_resumed_loss(name), rel=tolerance)
 
 
 def test_a_gpt2_run_converts_to_the_same_logits_as_gpt2_itself():
