@@ -32,6 +32,7 @@ def deepspeed_record(name: str) -> dict:
         ("stage2_world2", 4, 2, "trainer"),
         ("stage3_world4", 2, 1, "trainer"),  # 4 ranks at stage 3 -> stage 1
         ("stage1_world2", 1, 3, "tag"),  # the tag directory itself, stage 1 -> 3
+        ("stage2_world2_accumulation2", 1, 3, "trainer"),  # 2 micro-batches a step, WarmupLR
     ],
 )
 def test_tnlg_resumes_a_deepspeed_run_with_deepspeeds_own_next_losses(name, world, stage, where):
@@ -113,10 +114,10 @@ def test_an_fp16_run_resumes_on_deepspeeds_loss_scale_path(name, world):
     assert result["summary"]["global_steps"] == CASE[name].save_at
 
 
-def test_the_warmup_schedule_resumes_where_deepspeed_left_it():
+@pytest.mark.parametrize("name", ["stage2_world2", "stage2_world2_accumulation2"])
+def test_the_warmup_schedule_resumes_where_deepspeed_left_it(name):
     """DeepSpeed's WarmupLR (a log ramp over 8 steps) saved at step 3: the resumed engine uses the lrs
-    DeepSpeed's own resumed run used, step by step."""
-    name = "stage2_world2"
+    DeepSpeed's own resumed run used, step by step (optimizer steps, not micro-batches)."""
     result = run_distributed(resume_in_tnlg, 1, name, str(CASE[name].directory / CHECKPOINT), 2)[0]
     expected = deepspeed_record(name)["resumed_lrs"]
     assert len(set(expected)) == RESUMED_STEPS  # still ramping

@@ -29,6 +29,8 @@ def deepspeed_run(name: str) -> dict:
         ("stage2_world2", 1, 3),
         ("stage1_world2", 2, 1),
         ("stage3_world4", 2, 3),
+        ("stage2_world2_accumulation2", 2, 2),  # 2 micro-batches a step (forward, backward, step each)
+        ("stage2_world2_accumulation2", 1, 1),
         ("stage2_world2_bf16", 2, 2),
         ("stage3_world2_bf16", 2, 3),
     ],
@@ -41,7 +43,7 @@ def test_deepspeeds_json_trains_deepspeeds_losses(name, world, stage):
     tolerance = 3e-4 if CASE[name].precision == "bf16" else 1e-5  # bf16 updates round apart (1.4e-4)
     for ours, expected in zip(result["losses"], theirs, strict=True):
         assert abs(ours - expected) <= tolerance * abs(expected), (result["losses"], theirs)
-    if name == "stage2_world2":
+    if CASE[name].warmup:
         assert result["lrs"][-RESUMED_STEPS:] == pytest.approx(record["resumed_lrs"], rel=1e-12)
 
 

@@ -21,6 +21,9 @@ ran at and whether its update was applied. DeepSpeed's CPU accelerator reports f
 has fp16 kernels (AVX512-FP16 or AMX-FP16), which CPUs without them lack although torch runs every op
 of this model in fp16 there, so for these cases its check is answered yes.
 
+One case takes 2 micro-batches a step (`gradient_accumulation_steps` 2): forward, backward and step for
+each, as a DeepSpeed training loop calls them; its record counts optimizer steps.
+
 The bf16 cases train with the module in bf16 (DeepSpeed's bf16_zero_pp_rank_* files) at ZeRO 1-3; at
 stage 1 with fp32 gradient accumulation (`data_types.grad_accum_dtype`), for which DeepSpeed takes its
 BF16_Optimizer instead of ZeRO's and saves no `zero_stage`.
@@ -62,6 +65,7 @@ class Case:
     precision: str = "fp32"  # or "fp16" (under DeepSpeed's dynamic loss scaler, FP16_SCALING) or "bf16"
     # bf16 at stage 1 with fp32 gradient accumulation (data_types.grad_accum_dtype): DeepSpeed's BF16_Optimizer
     fp32_gradients: bool = False
+    accumulation: int = 1  # micro-batches per optimizer step (gradient_accumulation_steps)
     save_at: int = SAVE_AT
 
     @property
@@ -71,6 +75,7 @@ class Case:
     @property
     def name(self) -> str:
         name = f"stage{self.stage}_world{self.world}" + ("_gpt2" if self.model == "gpt2" else "")
+        name += f"_accumulation{self.accumulation}" if self.accumulation > 1 else ""
         if self.precision == "bf16":
             return name + "_bf16" + ("_fp32_gradients" if self.fp32_gradients else "")
         return name + (f"_fp16_step{self.save_at}" if self.fp16 else "")
@@ -94,6 +99,7 @@ CASES = (
     Case(stage=1, world=2, precision="bf16", fp32_gradients=True),
     Case(stage=2, world=2, precision="bf16"),
     Case(stage=3, world=2, precision="bf16"),
+    Case(stage=2, world=2, warmup=True, accumulation=2),
 )
 # From 2**18 this model's gradients overflow fp16 at the first two steps, then not at 2**17.
 FP16_SCALING = {"initial_scale_power": 18, "loss_scale_window": 3, "hysteresis": 2, "min_loss_scale": 1}
@@ -142,8 +148,8 @@ def deepspeed_config(case: Case) -> dict:
     return {
         **({"scheduler": schedule} if case.warmup else {}),
         "train_batch_size": GLOBAL_BATCH,
-        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
-        "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (world * case.accumulation),
+        "gradient_accumulation_steps": case.accumulation,
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,  # torch's AdamW: no DeepSpeed op to build
         "gradient_clipping": 1.0,
@@ -155,7 +161,7 @@ def deepspeed_config(case: Case) -> dict:
 
 
 class Trace(NamedTuple):
-    losses: list[float]  # each step's loss averaged over the ranks (the global batch's mean loss)
+    losses: list[float]  # each step's loss averaged over its micro-batches and the ranks (the global batch's)
     lrs: list[float]  # with `lr`: the lr each step used
     loss_scales: list[float]  # with `loss_scale`: the scale each step's backward ran at
     applied: list[bool]  # with `applied`: whether each step's update was applied (not an fp16 overflow)
@@ -169,24 +175,28 @@ def train_steps(
     lr: Callable[[], float] | None = None,
     loss_scale: Callable[[], float] | None = None,
     applied: Callable[[], bool] | None = None,
+    accumulation: int = 1,
 ) -> Trace:
-    """Steps of a DeepSpeed or a tnlg engine (the same calls); the callables read the engine's lr and
-    loss scale before each step and whether its update was applied after it."""
+    """Optimizer steps of a DeepSpeed or a tnlg engine (the same calls: forward, backward and step for each
+    of a step's `accumulation` micro-batches, the rank's share of the global batch cut in that many); the
+    callables read the engine's lr and loss scale before each step and whether its update was applied
+    after it."""
     trace = Trace([], [], [], [])
     for step in steps:
         if lr is not None:
             trace.lrs.append(lr())
         if loss_scale is not None:
             trace.loss_scales.append(float(loss_scale()))
-        ids = rank_share(global_batch(step), rank, world)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
+        mean = torch.zeros(())
+        for ids in rank_share(global_batch(step), rank, world).chunk(accumulation):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            mean += loss.detach().float()
         if applied is not None:
             trace.applied.append(bool(applied()))
-        mean = loss.detach().float().clone()
         torch.distributed.all_reduce(mean)
-        trace.losses.append(mean.item() / world)
+        trace.losses.append(mean.item() / (world * accumulation))
     return trace
 
 
@@ -205,7 +215,7 @@ def write_case(rank: int, case: Case) -> None:
     model = initial_model(case.model)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    first = train_steps(engine, range(case.save_at), rank, world)
+    first = train_steps(engine, range(case.save_at), rank, world, accumulation=case.accumulation)
     engine.save_checkpoint(str(case.checkpoint))
     if rank == 0:  # as the Transformers Trainer saves it beside DeepSpeed's files
         model.config.save_pretrained(case.checkpoint)
@@ -223,6 +233,7 @@ def write_case(rank: int, case: Case) -> None:
         lr=lambda: engine.optimizer.param_groups[0]["lr"],
         loss_scale=(lambda: engine.optimizer.loss_scale) if case.fp16 else None,
         applied=engine.was_step_applied if case.fp16 else None,
+        accumulation=case.accumulation,
     )
     if rank == 0:
         record = {

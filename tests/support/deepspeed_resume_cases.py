@@ -40,7 +40,8 @@ def resume_in_tnlg(rank: int, world: int, case_name: str, checkpoint: str, stage
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
     engine = initialize(model, optimizer, resumed_config(case_name, stage))
     summary = engine.load_checkpoint(Path(checkpoint))
-    save_at = CASE[case_name].save_at
+    case = CASE[case_name]
+    save_at = case.save_at
     trace = train_steps(
         engine,
         range(save_at, save_at + RESUMED_STEPS),
@@ -49,6 +50,7 @@ def resume_in_tnlg(rank: int, world: int, case_name: str, checkpoint: str, stage
         lr=lambda: engine.base_optimizer.param_groups[0]["lr"],
         loss_scale=lambda: engine.loss_scale,
         applied=lambda: not engine.step_was_skipped,
+        accumulation=case.accumulation,
     )
     kept = ("stage", "world_size", "global_steps", "adam_step")
     return {
@@ -76,6 +78,7 @@ def train_in_tnlg_from_start(rank: int, world: int, case_name: str, stage: int) 
         lr=lambda: engine.base_optimizer.param_groups[0]["lr"],
         loss_scale=lambda: engine.loss_scale,
         applied=lambda: not engine.step_was_skipped,
+        accumulation=case.accumulation,
     )
     return trace._asdict()
 
