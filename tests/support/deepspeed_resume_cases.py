@@ -12,6 +12,7 @@ from tests.support.deepspeed_fixtures import (
     ADAMW,
     CASES,
     RESUMED_STEPS,
+    Trace,
     initial_model,
     tiny_config,
     train_steps,
@@ -40,18 +41,8 @@ def resume_in_tnlg(rank: int, world: int, case_name: str, checkpoint: str, stage
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
     engine = initialize(model, optimizer, resumed_config(case_name, stage))
     summary = engine.load_checkpoint(Path(checkpoint))
-    case = CASE[case_name]
-    save_at = case.save_at
-    trace = train_steps(
-        engine,
-        range(save_at, save_at + RESUMED_STEPS),
-        rank,
-        world,
-        lr=lambda: engine.base_optimizer.param_groups[0]["lr"],
-        loss_scale=lambda: engine.loss_scale,
-        applied=lambda: not engine.step_was_skipped,
-        accumulation=case.accumulation,
-    )
+    save_at = CASE[case_name].save_at
+    trace = traced_steps(engine, range(save_at, save_at + RESUMED_STEPS), rank, world, case_name)
     kept = ("stage", "world_size", "global_steps", "adam_step")
     return {
         "losses": trace.losses,
@@ -70,17 +61,21 @@ def train_in_tnlg_from_start(rank: int, world: int, case_name: str, stage: int) 
     model = initial_model(case.model)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
     engine = initialize(model, optimizer, resumed_config(case_name, stage))
-    trace = train_steps(
+    return traced_steps(engine, range(case.save_at + RESUMED_STEPS), rank, world, case_name)._asdict()
+
+
+def traced_steps(engine, steps: range, rank: int, world: int, case_name: str) -> Trace:
+    """The case's `steps` on tnlg's `engine`, with its lr, loss scale and skipped steps traced."""
+    return train_steps(
         engine,
-        range(case.save_at + RESUMED_STEPS),
+        steps,
         rank,
         world,
         lr=lambda: engine.base_optimizer.param_groups[0]["lr"],
         loss_scale=lambda: engine.loss_scale,
         applied=lambda: not engine.step_was_skipped,
-        accumulation=case.accumulation,
+        accumulation=CASE[case_name].accumulation,
     )
-    return trace._asdict()
 
 
 def loss_scale_after_resume(rank: int, world: int, case_name: str, checkpoint: str) -> float:
