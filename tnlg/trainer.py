@@ -29,6 +29,9 @@ neither, it is a plain `Trainer`. What the engine changes:
   with the old `zero/` directory is refused with the rename that makes it load. Checkpoints go to storage
   every node shares: `save_on_each_node=True` with processes on more than one node is refused when the
   trainer is built (see tnlg/shared_storage.py).
+- `resume_from_checkpoint` also takes a checkpoint-N of a Trainer run under DeepSpeed (`deepspeed=` in
+  TrainingArguments, ZeRO stage 1-3): the engine reads DeepSpeed's files at this run's world size and
+  stage, the scheduler its scheduler.pt, and the Trainer its own state and RNG files.
 - `save_only_model=True` checkpoints hold the consolidated weights alone: `load_best_model_at_end` loads
   them into the engine as the plain Trainer loads them into its model (exact: they are the fp32 master
   weights; stages 0-2 without tensor slicing or pipeline stages, whose engines take a full state dict;
@@ -46,8 +49,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import Trainer, TrainingArguments
-from transformers.trainer import OPTIMIZER_NAME
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.utils import (
     ADAPTER_SAFE_WEIGHTS_NAME,
     ADAPTER_WEIGHTS_NAME,
@@ -60,7 +64,7 @@ from transformers.utils import (
 from tnlg.accelerate import ZeroAccelerator
 from tnlg.launch_settings import launch_mixed_precision, refuse_environment_beside, settings_from_environment
 from tnlg.sharding import DeepSpeedConfig, ZeroConfig, ZeroEngine
-from tnlg.sharding.checkpoint import engine_directory
+from tnlg.sharding.checkpoint import ENGINE_DIRECTORY, engine_directory
 from tnlg.sharding.deepspeed import TrainingConfig, engine_settings
 from tnlg.sharding.deepspeed.zero_checkpoint import is_deepspeed_checkpoint
 from tnlg.shared_storage import refuse_node_local_saves
@@ -316,10 +320,19 @@ class ZeroTrainer(Trainer):
         if self.args.should_save and self.lr_scheduler is not None:
             write_scheduler_states(Path(output_dir), [self.lr_scheduler])
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if isinstance(self.accelerator, ZeroAccelerator) and is_deepspeed_checkpoint(resume_from_checkpoint):
+            # A Trainer run under DeepSpeed: its fp32 masters come back with the engine's state, once the
+            # engine exists (`_load_optimizer_and_scheduler`); at ZeRO-3 it saved no model weights at all.
+            return
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if self.engine is None or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         directory = Path(checkpoint)
+        if is_deepspeed_checkpoint(directory) and not (directory / ENGINE_DIRECTORY).exists():
+            return self._load_deepspeed_trainer_checkpoint(directory)
         engine = engine_directory(directory)  # the old zero/ layout: an error saying to rename it
         if not engine.is_dir():
             raise FileNotFoundError(
@@ -330,6 +343,25 @@ class ZeroTrainer(Trainer):
         if self.lr_scheduler is not None:
             (state,) = read_scheduler_states(directory, 1)
             self.lr_scheduler.load_state_dict(state)
+
+    def _load_deepspeed_trainer_checkpoint(self, directory: Path) -> None:
+        """A checkpoint-N of a Trainer run under DeepSpeed (`deepspeed=` in TrainingArguments): the engine
+        takes DeepSpeed's ZeRO files (fp32 masters, Adam's state, at any world size and stage: see
+        docs/checkpoints.md), and the Trainer's scheduler its scheduler.pt, which the Trainer wrote beside
+        them and reads with torch.load(weights_only=True) as here. The Trainer's own state and RNG files
+        are the plain Trainer's, read as it reads them."""
+        self.engine.load_checkpoint(directory)
+        if self.lr_scheduler is None:
+            return
+        path = directory / SCHEDULER_NAME
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{directory} is a DeepSpeed checkpoint of a Trainer run, but has no {SCHEDULER_NAME} for the "
+                "Trainer's learning-rate schedule (a run whose JSON had a scheduler section keeps it in "
+                "DeepSpeed's files, and ZeroTrainer schedules from TrainingArguments): resume without it by "
+                "loading the engine alone (trainer.engine.load_checkpoint), or start a new schedule"
+            )
+        self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
     def _load_best_model(self) -> None:
         if self.engine is None:
@@ -345,13 +377,7 @@ class ZeroTrainer(Trainer):
 
 
 def _why_no_engine(directory: Path) -> str:
-    """What a checkpoint without engine shards is, and how to go on from it."""
-    if is_deepspeed_checkpoint(directory):
-        return (
-            "it is a DeepSpeed checkpoint (a Trainer run with deepspeed=), which a ZeroTrainer does not "
-            "resume: start from its weights (scripts/convert_checkpoint.py --from deepspeed, then "
-            "from_pretrained), or load all of it into trainer.engine with engine.load_checkpoint"
-        )
+    """What a checkpoint without engine shards (nor DeepSpeed's) is, and how to go on from it."""
     if (directory / OPTIMIZER_NAME).is_file():
         return f"it was written by a Trainer without the ZeRO engine (its {OPTIMIZER_NAME} is unsharded)"
     if any((directory / name).is_file() for name in _WEIGHT_FILES):

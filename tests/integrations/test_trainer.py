@@ -8,8 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.deepspeed_fixtures import CASES as DEEPSPEED_CASES
-from tests.support.deepspeed_fixtures import CHECKPOINT as DEEPSPEED_CHECKPOINT
 from tests.support.trainer_cases import train
 from tests.support.zero_tnlg_cases import debug_model
 from tnlg import TNLGForCausalLM
@@ -130,10 +128,6 @@ def _selection(rank: int, world_size: int, directory: str) -> dict:
         trainer._load_optimizer_and_scheduler(directory)
     except FileNotFoundError as error:
         found["no engine checkpoint"] = str(error)
-    try:  # what a Trainer run with deepspeed= leaves: DeepSpeed's own files
-        trainer._load_optimizer_and_scheduler(str(DEEPSPEED_CASES[0].directory / DEEPSPEED_CHECKPOINT))
-    except FileNotFoundError as error:
-        found["deepspeed checkpoint"] = str(error)
     old = Path(directory) / "old-layout"  # a checkpoint-N of before the layouts were one: engine in zero/
     (old / "zero").mkdir(parents=True)
     (old / "zero" / "manifest.json").write_text("{}")
@@ -161,8 +155,6 @@ def test_the_engine_is_selected_by_argument_or_environment_and_conflicts_are_nam
     )
     assert "has no engine/ engine checkpoint" in found["no engine checkpoint"]
     assert "DeepSpeed" not in found["no engine checkpoint"]
-    assert "it is a DeepSpeed checkpoint (a Trainer run with deepspeed=)" in found["deepspeed checkpoint"]
-    assert "--from deepspeed" in found["deepspeed checkpoint"]
     assert "old ZeroTrainer layout: rename" in found["old layout"]
     assert "old-layout/zero to" in found["old layout"]
     assert "remove the DeepSpeed / FSDP settings" in found["fsdp"]
