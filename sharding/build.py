@@ -81,7 +81,7 @@ def initialize(
     initialized whole and cut), and the engine shards over the data-parallel group, instead of
     `process_group`. With pipeline stages, train with `train_batch` (see pipeline.py).
     """
-    settings = engine_settings(config)  # a DeepSpeed config's training part too (deepspeed/)
+    settings = engine_settings(config).with_checked_dtypes()  # a DeepSpeed config's training part too
     zero = settings.zero
     if optimizer is not None:
         # Before the model is cut or anything sharded, so that a refusal loses nothing; a DeepSpeed

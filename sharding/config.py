@@ -38,7 +38,7 @@ class ZeroConfig:
         DeepSpeed's DynamicLossScaler, which doubles at the window's + 1st clean step after the start
         and after each overflow, then every window. A DeepSpeed JSON sets "deepspeed" (a ZeroConfig
         stated in fields, or a run config without a JSON, keeps "torch"), so that the same JSON gives
-        the same scale path as under DeepSpeed.
+        the same scale path as DeepSpeed's ZeRO stages 1-3 (docs/zero.md says where stage 0 differs).
     consecutive_hysteresis: re-arm the hysteresis at every clean step, not only when the scale grows
         (DeepSpeed's fp16.consecutive_hysteresis).
     static_loss_scale: a fixed fp16 loss scale instead of the dynamic one.

@@ -40,15 +40,15 @@ class LossScaler:
         # the start) are a positive multiple of the window: at the window's + 1st clean step, then every
         # window. Starting its count at -1 there, and again after each overflow, is that rule; the
         # DeepSpeed checkpoint reader writes its position in the same count (zero_checkpoint.py).
-        self._restart = -1 if config.loss_scale_counting == "deepspeed" else 0
-        self._clean_steps = self._restart
+        self._count_start = -1 if config.loss_scale_counting == "deepspeed" else 0
+        self._clean_steps = self._count_start
         self._overflows_left = config.hysteresis
 
     def update(self, overflow: bool) -> None:
         if not self.dynamic:
             return
         if overflow:
-            self._clean_steps = self._restart
+            self._clean_steps = self._count_start
             if self._overflows_left > 1:
                 self._overflows_left -= 1  # absorbed by hysteresis
             elif self.scale <= self.min_scale:

@@ -7,7 +7,6 @@ sections are read here; the ZeroConfig sections by sections.py; the key tables a
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
@@ -16,11 +15,11 @@ from typing import Any
 
 from ..config import ZeroConfig
 from ..json_files import read_json
+from .dtypes import check_dtype_keys
 from .keys import (
     ADAM_PARAMS,
     ADAM_RULES,
     BATCH_KEYS,
-    COMMUNICATION_DTYPES,
     OPTIMIZER_RULES,
     REQUIRED_SCHEDULER_PARAMS,
     SCHEDULER_PARAMS,
@@ -56,8 +55,6 @@ def engine_settings(
     with _naming(source):
         if mapping_kind(config) == "fields":
             return DeepSpeedConfig(ZeroConfig(**config), source=source)
-        if set(config) <= {"gradient_clipping"}:  # as ZeroConfig fields read it (see `mapping_kind`)
-            return _load(config, source, auto, {"loss_scale_counting": ZeroConfig.loss_scale_counting})
         return _load(config, source, auto)
 
 
@@ -104,7 +101,7 @@ def mapping_kind(config: Mapping[str, Any]) -> str:
     own = {f.name for f in fields(ZeroConfig)}
     keys = {str(key) for key in config}
     # `gradient_clipping` is both a field and a top-level DeepSpeed key: alone, it reads the same either way
-    # (`engine_settings` keeps ZeroConfig's loss-scale counting for it).
+    # (the reader keeps ZeroConfig's loss-scale counting for it, whichever way it is read).
     field_keys = sorted(keys & own - {"gradient_clipping"})
     deepspeed_keys = sorted(keys & TOP_LEVEL_KEYS - {"gradient_clipping"})
     if field_keys and deepspeed_keys:
@@ -200,15 +197,17 @@ def _load(
         )
     # The JSON's fp16 loss_scale_window counts as DeepSpeed's scaler counts it ([Note: loss-scale
     # counting]); a default, not the JSON's own setting, so that a run config's zero section may change it.
-    zero = reader.zero_config({"loss_scale_counting": "deepspeed", **(defaults or {})})
-    _check_communication_dtype(config.get("communication_data_type"), zero)
-    _check_data_types(config.get("data_types"), zero)
+    # A lone gradient_clipping reads as ZeroConfig fields too (`mapping_kind`), and so keeps their count.
+    counting = {"loss_scale_counting": "deepspeed"} if set(config) - {"gradient_clipping"} else {}
+    zero = reader.zero_config({**counting, **(defaults or {})})
+    dtype_keys = _dtype_keys(config, zero)
     loaded = DeepSpeedConfig(
         zero,
         TrainingConfig(**training),
         tuple(reader.ignored),
         dict(reader.sources),
         source,
+        dtype_keys,
     )
     if loaded.ignored:
         logger.info(
@@ -296,50 +295,10 @@ def _read_scheduler(section: Mapping[str, Any], reader: SectionReader) -> Schedu
     return SchedulerSpec(kind, params)
 
 
-def _check_communication_dtype(raw: Any, zero: ZeroConfig) -> None:
-    """tnlg reduces gradients in the compute dtype, as DeepSpeed does by default: any other is refused."""
-    expected = COMMUNICATION_DTYPES[zero.mixed_precision]
-    if raw is None or raw == "auto" or raw == expected:
-        return
-    raise ValueError(
-        f"invalid DeepSpeed config: communication_data_type = {json.dumps(raw)} is not supported (tnlg "
-        f"communicates in the compute dtype, here {expected}); remove it or set it to {expected!r}"
-    )
-
-
-# data_types (DeepSpeed's per-tensor dtypes) → what tnlg does, for the errors.
-_DATA_TYPES = {
-    "grad_accum_dtype": "accumulates gradients in the compute dtype's buffers",
-    "param_dtype": "holds the parameters in the compute dtype",
-}
-
-
-def _check_data_types(raw: Any, zero: ZeroConfig) -> None:
-    """DeepSpeed's `data_types`: each dtype unset (null) or the compute dtype, which is what tnlg does. fp32
-    gradient accumulation under bf16 (DeepSpeed's BF16_Optimizer at stage 1) is refused: tnlg accumulates
-    in the 16-bit buffers. A checkpoint DeepSpeed saved with it still loads (zero_checkpoint.py)."""
-    if raw is None:
-        return
-    section = as_section("data_types", raw)
-    compute = COMMUNICATION_DTYPES[zero.mixed_precision]
-    for key, value in section.items():
-        path = f"data_types.{key}"
-        if key == "keep_in_fp32_modules":
-            continue  # which buffers zero.Init keeps in fp32: the engine leaves every buffer in its own dtype
-        if key == "buffer_dtype":
-            if value is not None:
-                raise ValueError(
-                    f"invalid DeepSpeed config: {path} = {json.dumps(value)} is not supported (the engine "
-                    "leaves every buffer in the dtype it was loaded in); remove it or set it to null"
-                )
-            continue
-        if key not in _DATA_TYPES:
-            known = [*_DATA_TYPES, "buffer_dtype", "keep_in_fp32_modules"]
-            raise ValueError(
-                f"invalid DeepSpeed config: unknown keys {'data_types.' + suggest(key, set(known))}"
-            )
-        if value is not None and value != compute:
-            raise ValueError(
-                f"invalid DeepSpeed config: {path} = {json.dumps(value)} is not supported (tnlg "
-                f"{_DATA_TYPES[key]}, here {compute}); remove it or set it to {compute!r}"
-            )
+def _dtype_keys(config: Mapping[str, Any], zero: ZeroConfig) -> dict[str, Any]:
+    """The JSON's dtype keys, checked now against the precision it enables; a JSON that enables none may
+    still have one filled by a launcher: their dtypes are checked where it is settled
+    (`with_checked_dtypes`), the rest now."""
+    keys = {key: config[key] for key in ("communication_data_type", "data_types") if key in config}
+    check_dtype_keys(keys, None if zero.mixed_precision == "no" else zero.mixed_precision)
+    return keys

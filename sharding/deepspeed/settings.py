@@ -14,6 +14,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from ..config import ZeroConfig
+from .dtypes import check_dtype_keys
 from .keys import ADAM_RULES, BATCH_KEYS, FUSED_ADAM_DEFAULTS, integer
 from .lr_schedules import SCHEDULERS
 from .sections import apply_overrides
@@ -139,13 +140,15 @@ class TrainingConfig:
 class DeepSpeedConfig:
     """A DeepSpeed config read whole (`load_deepspeed`): the engine's `zero` config, the `training` part,
     the keys read but `ignored` ((key path, why)), which key set each ZeroConfig field (`zero_sources`:
-    field -> (key path, value as written)), and where it came from (`source`, for errors)."""
+    field -> (key path, value as written)), where it came from (`source`, for errors), and its dtype keys
+    as written (`dtype_keys`: communication_data_type, data_types), checked again at a filled precision."""
 
     zero: ZeroConfig
     training: TrainingConfig = field(default_factory=TrainingConfig)
     ignored: tuple[tuple[str, str], ...] = ()
     zero_sources: Mapping[str, tuple[str, Any]] = field(default_factory=dict)
     source: str = "the DeepSpeed config"
+    dtype_keys: Mapping[str, Any] = field(default_factory=dict)
 
     def with_overrides(
         self, overrides: Mapping[str, Any], override_names: Mapping[str, str] | None = None
@@ -168,7 +171,21 @@ class DeepSpeedConfig:
                 f"{given} conflicts with {self.stated('mixed_precision')}, which enables {zero.mixed_precision}: "
                 "change one of them to agree with the other"
             )
-        return replace(self, zero=zero.replace(mixed_precision=mixed_precision))
+        # the JSON's dtype keys, not checked at the precision it left open, must hold at this one
+        return replace(self, zero=zero.replace(mixed_precision=mixed_precision)).with_checked_dtypes(given)
+
+    def with_checked_dtypes(self, given: str | None = None) -> DeepSpeedConfig:
+        """This config, its dtype keys checked at its precision as settled: where the engine is built, and
+        where a run config is read (a JSON that enables no precision is checked there at fp32, or at the
+        launcher's when `with_mixed_precision` fills it; `given` names that setting for the error)."""
+        try:
+            check_dtype_keys(self.dtype_keys, self.zero.mixed_precision)
+        except ValueError as error:
+            where = "" if self.source == DeepSpeedConfig.source else f"{self.source}: "
+            raise ValueError(
+                f"{where}{error}" + (f" (the precision {given} gives)" if given else "")
+            ) from error
+        return self
 
     def stated(self, field: str) -> str:
         """Where this config sets ZeroConfig `field`, for errors, as the user wrote it: the DeepSpeed key

@@ -319,7 +319,7 @@ def _optimizer_files(directory: Path, names: list[str], world: int) -> list[str]
 
 
 # What DeepSpeed's BF16_Optimizer saves instead of a ZeRO optimizer's zero_stage and loss scaler.
-BF16_OPTIMIZER_KEYS = frozenset(
+_BF16_OPTIMIZER_KEYS = frozenset(
     (
         "clip_grad",
         "base_optimizer_state",
@@ -334,7 +334,7 @@ def _saved_stage(state: dict[str, Any], path: Path) -> int:
     """The ZeRO stage an optimizer file was saved at: its `zero_stage`, or 1 for DeepSpeed's BF16_Optimizer,
     which saves none. DeepSpeed takes that optimizer for bf16 at ZeRO stage 1 with fp32 gradient
     accumulation (`data_types.grad_accum_dtype`); its fp32 partitions are laid out as ZeRO-1's."""
-    if "zero_stage" not in state and state.keys() >= BF16_OPTIMIZER_KEYS:
+    if "zero_stage" not in state and state.keys() >= _BF16_OPTIMIZER_KEYS:
         return 1
     return _stage(state.get("zero_stage"), path)
 

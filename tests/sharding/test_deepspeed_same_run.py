@@ -40,7 +40,7 @@ def test_deepspeeds_json_trains_deepspeeds_losses(name, world, stage):
     record = deepspeed_run(name)
     theirs = record["losses_before_save"] + record["resumed_losses"]
     assert len(result["losses"]) == len(theirs) == CASE[name].save_at + RESUMED_STEPS
-    tolerance = 3e-4 if CASE[name].precision == "bf16" else 1e-5  # bf16 updates round apart (1.4e-4)
+    tolerance = 3e-4 if CASE[name].precision == "bf16" else 1e-5  # bf16 updates round apart (1.1e-4)
     for ours, expected in zip(result["losses"], theirs, strict=True):
         assert abs(ours - expected) <= tolerance * abs(expected), (result["losses"], theirs)
     if CASE[name].warmup:

@@ -36,7 +36,7 @@ from tnlg.sharding import (
     load_deepspeed,
     parse_deepspeed,
 )
-from tnlg.sharding.deepspeed import zero_config_from, zero_config_from_deepspeed
+from tnlg.sharding.deepspeed import engine_settings, zero_config_from, zero_config_from_deepspeed
 from tnlg.tools.spawn import run_distributed
 
 CONFIGS = REPO / "configs" / "deepspeed"
@@ -561,14 +561,45 @@ def test_the_accelerator_refuses_what_disagrees_with_the_json():
 def test_data_types_at_what_the_engine_does_are_accepted_and_typos_named():
     # gradients accumulate, and parameters live, in the compute dtype; every buffer keeps its own dtype
     same = {
-        "grad_accum_dtype": "bf16",
+        "grad_accum_dtype": "bfloat16",
         "param_dtype": "bf16",
         "buffer_dtype": None,
         "keep_in_fp32_modules": [],
     }
     assert load_deepspeed({"bf16": {"enabled": True}, "data_types": same}).zero.mixed_precision == "bf16"
-    assert load_deepspeed({"data_types": {"grad_accum_dtype": "fp32"}}).zero.mixed_precision == "no"
+    assert load_deepspeed({"data_types": {"grad_accum_dtype": "float32"}}).zero.mixed_precision == "no"
     with pytest.raises(
         ValueError, match=r"unknown keys data_types\.grad_acum_dtype \(did you mean 'grad_accum_dtype'"
     ):
         load_deepspeed({"data_types": {"grad_acum_dtype": "fp32"}})
+    with pytest.raises(
+        ValueError, match=r"keep_in_fp32_modules must be \"auto\" or a list of name patterns, got 3"
+    ):
+        load_deepspeed({"data_types": {"keep_in_fp32_modules": 3}})
+
+
+@pytest.mark.parametrize(
+    ("json_config", "refused"),
+    [
+        ({"data_types": {"grad_accum_dtype": "fp32"}}, 'data_types.grad_accum_dtype = "fp32"'),
+        ({"data_types": {"grad_accum_dtype": "bf16"}}, None),
+        ({"communication_data_type": "fp32"}, 'communication_data_type = "fp32"'),
+    ],
+)
+def test_dtype_keys_are_checked_at_the_precision_a_launcher_fills(json_config, refused):
+    # a JSON that enables no precision was checked at fp32 when read: the fp32 accumulation was then
+    # accepted and the run trained in the launcher's bf16, and bf16 accumulation refused
+    settings = engine_settings(json_config, mixed_precision="bf16")
+    if refused is None:
+        assert settings.with_mixed_precision("bf16", "--mixed_precision bf16").zero.mixed_precision == "bf16"
+        return
+    with pytest.raises(
+        ValueError, match=re.escape(refused) + r".*here bf16.*the precision --mixed_precision bf16 gives"
+    ):
+        settings.with_mixed_precision("bf16", "--mixed_precision bf16")
+
+
+def test_an_engine_built_at_fp32_checks_the_dtype_keys_its_json_left_open():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r'data_types.grad_accum_dtype = "bf16" .*here fp32'):
+        initialize(model, torch.optim.AdamW(model.parameters()), {"data_types": {"grad_accum_dtype": "bf16"}})

@@ -145,3 +145,52 @@ def test_a_deepspeed_json_counts_as_deepspeed_and_reads_consecutive_hysteresis()
     assert zero_config_from({"stage": 2, "mixed_precision": "fp16"}).loss_scale_counting == "torch"
     # a lone gradient_clipping reads as ZeroConfig fields as well: the same config either way
     assert zero_config_from({"gradient_clipping": 1.0}) == ZeroConfig(gradient_clipping=1.0)
+
+
+@pytest.mark.parametrize("counting", ["deepspeed", "torch"])
+def test_a_scaler_resumed_from_deepspeeds_position_follows_its_path(counting):
+    """DeepSpeed's scaler saved at random points of random runs, read as its checkpoint reader reads it
+    ([Note: DeepSpeed's scaler position]) into a fresh scaler: both then go on through random overflows.
+    Counted as DeepSpeed counts, the paths agree to the end; counted as GradScaler counts, until the next
+    overflow (from there it doubles a step sooner)."""
+    from types import SimpleNamespace
+
+    from tnlg.sharding.deepspeed.zero_checkpoint import _loss_scaler
+
+    generator = torch.Generator().manual_seed(3)
+    config = ZeroConfig(
+        mixed_precision="fp16",
+        loss_scale_window=3,
+        hysteresis=2,
+        min_loss_scale=2.0**-60,
+        loss_scale_counting=counting,
+    )
+    differed = 0
+    for _ in range(200):
+        reference = DeepSpeedRule(config.initial_loss_scale, 3, 2, consecutive=False)
+        for overflow in (
+            torch.rand(int(torch.randint(0, 20, (1,), generator=generator)), generator=generator) < 0.3
+        ).tolist():
+            reference.update(overflow)
+        saved = {
+            "cur_scale": reference.scale, "dynamic": True, "cur_iter": reference.update_number,
+            "last_overflow_iter": reference.last_overflow, "scale_window": 3, "cur_hysteresis": reference.left,
+        }  # fmt: skip
+        read = _loss_scaler(SimpleNamespace(state=saved), fp16=True)
+        scaler = LossScaler(config)
+        scaler.load_state_dict(
+            {"scale": read["loss_scale"], "clean_steps": read["loss_scale_clean_steps"], "overflows_left": read["loss_scale_overflows_left"]}
+        )  # fmt: skip
+        later = (torch.rand(30, generator=generator) < 0.3).tolist()
+        ours, theirs = [], []
+        for overflow in later:
+            scaler.update(overflow)
+            reference.update(overflow)
+            ours.append(scaler.scale)
+            theirs.append(reference.scale)
+        first_overflow = later.index(True) if True in later else len(later)
+        assert (
+            ours[: first_overflow + 1] == theirs[: first_overflow + 1]
+        )  # either count, up to the next overflow
+        differed += ours != theirs
+    assert differed == 0 if counting == "deepspeed" else differed > 0

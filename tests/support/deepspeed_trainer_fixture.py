@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from tests.support.deepspeed_fixtures import ASSETS, GLOBAL_BATCH, global_batch, initial_model
+from tests.support.trainer_cases import CPU_TRAINER_ARGUMENTS
 
 DIRECTORY = ASSETS / "trainer_stage2_world2"
 WORLD, SAVE_AT, STEPS = 2, 3, 8
@@ -67,12 +68,7 @@ def training_arguments(output_dir: str, world: int, **extra):
         weight_decay=0.1,
         max_grad_norm=1.0,
         logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        ddp_backend="gloo",
-        seed=0,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+        **CPU_TRAINER_ARGUMENTS,
         **extra,
     )
 

@@ -195,7 +195,7 @@ def optimizer_beyond_the_model(rank: int, world_size: int) -> str:
 def _forward_states(stage) -> dict:
     """A torch PipelineStage's per-micro-batch forward states, which clear_runtime_states empties: torch's
     own attribute, `fwd_cache` up to 2.14 and `_forward_chunk_states` from 2.15 (no public reader)."""
-    for name in ("fwd_cache", "_forward_chunk_states"):
+    for name in ("_forward_chunk_states", "fwd_cache"):
         if hasattr(stage, name):
             return getattr(stage, name)
     raise AttributeError(f"{type(stage).__name__} has neither fwd_cache nor _forward_chunk_states")

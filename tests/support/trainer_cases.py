@@ -13,6 +13,15 @@ from tnlg.sharding import ZeroConfig, meta_from_pretrained
 from tnlg.trainer import ZeroTrainer
 
 MICRO_BATCH, ACCUMULATION = 2, 2
+# TrainingArguments for a test's gloo CPU processes: no reporting, no progress bar, loading in-process.
+CPU_TRAINER_ARGUMENTS = {
+    "report_to": [],
+    "use_cpu": True,
+    "ddp_backend": "gloo",
+    "seed": 0,
+    "disable_tqdm": True,
+    "dataloader_num_workers": 0,
+}
 
 
 def dataset(world_size: int, steps: int = 4) -> list[dict[str, torch.Tensor]]:
@@ -67,12 +76,7 @@ def train(
         logging_steps=1,
         save_strategy="steps",
         save_steps=2,
-        report_to=[],
-        use_cpu=True,
-        ddp_backend="gloo",
-        seed=0,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+        **CPU_TRAINER_ARGUMENTS,
         bf16=bf16,
         torch_compile=compile_backend is not None,
         torch_compile_backend=compile_backend,

@@ -449,6 +449,7 @@ class _ZeroSectionBase:
             load_deepspeed(self.deepspeed, defaults=defaults, mixed_precision=mixed_precision)
             .with_overrides(explicit, {name: f"zero.{name}" for name in explicit})
             .with_mixed_precision(mixed_precision, f"train.mixed_precision {mixed_precision}")
+            .with_checked_dtypes()
         )
         # A run builds its AdamW and warmup-cosine schedule from the optimizer section; a second one from
         # the JSON would be ignored or would fight it.
