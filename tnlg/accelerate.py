@@ -210,7 +210,9 @@ class ZeroAccelerator(Accelerator):
         )
         # The engine settings (with a DeepSpeed JSON's training part) and their ZeroConfig.
         self.zero_settings = (
-            with_grad_scaler_kwargs(settings.with_mixed_precision(mixed_precision, named), given)
+            with_grad_scaler_kwargs(
+                settings.with_mixed_precision(mixed_precision, named), given
+            ).with_checked_dtypes()
             if settings is not None
             else None
         )

@@ -23,7 +23,7 @@ ENV_CONFIG, ENV_STAGE = "TNLG_ZERO_CONFIG", "TNLG_ZERO_STAGE"
 def zero_config_from_environment(mixed_precision: str | None = None) -> ZeroConfig | None:
     """The ZeroConfig a launch selected through `TNLG_ZERO_*` variables, or None."""
     settings = settings_from_environment({"mixed_precision": mixed_precision} if mixed_precision else {})
-    return settings.zero if settings is not None else None
+    return settings.with_checked_dtypes().zero if settings is not None else None
 
 
 # Variables that shape the engine TNLG_ZERO_STAGE selects; a TNLG_ZERO_CONFIG JSON states these itself.

@@ -347,33 +347,46 @@ class ZeroTrainer(Trainer):
     def _load_deepspeed_trainer_checkpoint(self, directory: Path) -> None:
         """A checkpoint-N of a Trainer run under DeepSpeed (`deepspeed=` in TrainingArguments): the engine
         takes DeepSpeed's ZeRO files (fp32 masters, Adam's state, at any world size and stage: see
-        docs/checkpoints.md), and the Trainer's scheduler its scheduler.pt, which the Trainer wrote beside
-        them and reads with torch.load(weights_only=True) as here. The Trainer's own state and RNG files
-        are the plain Trainer's, read as it reads them."""
-        self.engine.load_checkpoint(directory)
+        docs/checkpoints.md). The Trainer's schedule comes from the scheduler.pt the Trainer wrote beside
+        them (read with torch.load(weights_only=True), as the Trainer reads it), else from DeepSpeed's files,
+        where it sits when the JSON had an optimizer section. The Trainer's own state and RNG files are the
+        plain Trainer's, read as it reads them (RNG states at the same world size only)."""
+        summary = self.engine.load_checkpoint(directory)
         if self.lr_scheduler is None:
             return
         path = directory / SCHEDULER_NAME
-        if not path.is_file():
+        saved = summary.get("lr_scheduler")
+        if path.is_file():
+            self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        elif isinstance(saved, Mapping) and set(saved) == set(self.lr_scheduler.state_dict()):
+            self.lr_scheduler.load_state_dict(dict(saved))
+        else:
             raise FileNotFoundError(
-                f"{directory} is a DeepSpeed checkpoint of a Trainer run, but has no {SCHEDULER_NAME} for the "
-                "Trainer's learning-rate schedule (a run whose JSON had a scheduler section keeps it in "
-                "DeepSpeed's files, and ZeroTrainer schedules from TrainingArguments): resume without it by "
-                "loading the engine alone (trainer.engine.load_checkpoint), or start a new schedule"
+                f"{directory} is a DeepSpeed checkpoint of a Trainer run, but holds no state of the Trainer's "
+                f"learning-rate schedule (no {SCHEDULER_NAME}, and DeepSpeed's files hold "
+                f"{'none' if saved is None else 'its own JSON scheduler'}): a ZeroTrainer cannot continue its "
+                "schedule. Convert the weights (scripts/convert_checkpoint.py --from deepspeed) and start a new "
+                "run from them, or resume with ZeroAccelerator / tnlg.sharding.initialize and the JSON's "
+                "scheduler section, which restore DeepSpeed's schedule"
             )
-        self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
     def _load_best_model(self) -> None:
         if self.engine is None:
             return super()._load_best_model()
+        best = Path(self.state.best_model_checkpoint)
+        if is_deepspeed_checkpoint(best) and not (best / ENGINE_DIRECTORY).exists():
+            # a run resumed from a Trainer run under DeepSpeed whose best checkpoint is still that run's
+            logger.info("loading the best model from %s (score: %s)", best, self.state.best_metric)
+            self.engine.load_checkpoint(best)
+            return None
         if self.args.save_only_model:
             # The checkpoints hold the consolidated fp32 master weights only: the Trainer loads them into
             # self.model, the engine's module, whose loads write the master too (stages 0-2 of an unsliced
             # engine, as checked when the trainer was built). The optimizer state stays, as with the plain Trainer.
             return super()._load_best_model()
-        best = Path(self.state.best_model_checkpoint)
         logger.info("loading the best model from %s (score: %s)", best, self.state.best_metric)
         self.engine.load_checkpoint(engine_directory(best))
+        return None
 
 
 def _why_no_engine(directory: Path) -> str:

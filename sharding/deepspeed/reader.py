@@ -70,7 +70,8 @@ def zero_config_from(config: ZeroConfig | Mapping[str, Any] | str | Path | None)
         return ZeroConfig()
     if isinstance(config, ZeroConfig):
         return config
-    return engine_settings(config).zero
+    # A bare ZeroConfig keeps no dtype keys: they are checked here, at the precision the JSON gives
+    return engine_settings(config).with_checked_dtypes().zero
 
 
 def zero_config_from_deepspeed(
@@ -92,7 +93,12 @@ def zero_config_from_deepspeed(
     name in the error, e.g. {"stage": "--zero.stage"}); fields the JSON leaves unset (or "auto")
     take the override.
     """
-    return load_deepspeed(config, **auto).with_overrides(overrides or {}, override_names).zero
+    return (
+        load_deepspeed(config, **auto)
+        .with_overrides(overrides or {}, override_names)
+        .with_checked_dtypes()
+        .zero
+    )
 
 
 def mapping_kind(config: Mapping[str, Any]) -> str:
@@ -142,7 +148,7 @@ def load_deepspeed(
 
 def parse_deepspeed(config: Mapping[str, Any] | str | Path, **auto: Any) -> tuple[ZeroConfig, list[str]]:
     """(`ZeroConfig`, key paths read and ignored) from a DeepSpeed config dict or JSON file."""
-    loaded = load_deepspeed(config, **auto)
+    loaded = load_deepspeed(config, **auto).with_checked_dtypes()  # the ZeroConfig keeps no dtype keys
     return loaded.zero, [path for path, _ in loaded.ignored]
 
 

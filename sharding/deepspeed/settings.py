@@ -156,7 +156,12 @@ class DeepSpeedConfig:
         """This config with ZeroConfig fields set elsewhere (see `zero_config_from_deepspeed`): they fill
         the fields the JSON leaves unset, and one the JSON sets differently is an error naming both."""
         zero = apply_overrides(self.zero, self.zero_sources, self.source, overrides, override_names or {})
-        return replace(self, zero=zero)
+        overridden = replace(self, zero=zero)
+        return (
+            overridden.with_checked_dtypes()
+            if zero.mixed_precision != self.zero.mixed_precision
+            else overridden
+        )
 
     def with_mixed_precision(self, mixed_precision: str | None, given: str) -> DeepSpeedConfig:
         """This config at the launcher's `mixed_precision` (None or "no": whatever the config enables),

@@ -242,3 +242,23 @@ def test_sync_each_batch_reduces_every_micro_batch_and_trains_the_same(stage):
     assert each[0]["reductions"] == 2 * once[0]["reductions"] > 0
     for a, b in zip(once, each, strict=True):
         assert b["losses"] == pytest.approx(a["losses"], rel=1e-5)
+
+
+def _dtype_keys_at_the_accelerators_precision(rank: int, world_size: int, directory: str) -> dict:
+    def make(mixed_precision: str):
+        config = {"zero_optimization": {"stage": 1}, "communication_data_type": "bf16"}
+        return _fresh_accelerator(
+            zero_config=config, mixed_precision=mixed_precision
+        ).zero_config.mixed_precision
+
+    return {"bf16": make("bf16"), "fp32": _error(lambda: make("no"))}
+
+
+def test_the_jsons_dtype_keys_are_checked_when_the_accelerator_settles_its_precision(tmp_path):
+    # refused when the accelerator is built (at fp32 a bf16 reduction would not be what trains), not
+    # only once prepare() builds the engine
+    found = run_distributed(_dtype_keys_at_the_accelerators_precision, 1, str(tmp_path))[0]
+    assert found["bf16"] == "bf16"
+    assert (
+        'communication_data_type = "bf16" is not supported' in found["fp32"] and "here fp32" in found["fp32"]
+    )

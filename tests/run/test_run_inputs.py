@@ -269,6 +269,26 @@ def test_a_deepspeed_json_fills_what_the_run_leaves_unset(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("json_config", "refused"),
+    [
+        ({"communication_data_type": "bf16", "data_types": {"grad_accum_dtype": "bf16"}}, None),
+        ({"data_types": {"grad_accum_dtype": "fp32"}}, 'data_types.grad_accum_dtype = "fp32" .*here bf16'),
+    ],
+)
+def test_a_jsons_dtype_keys_are_checked_at_the_runs_precision(tmp_path, json_config, refused):
+    # the JSON enables no precision: train.mixed_precision bf16 gives it, and its dtypes are checked at that
+    # (they were at fp32 when the zero section was read, refusing bf16 reductions)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(json_config))
+    overrides = ["--zero.deepspeed", str(path), "--train.mixed_precision", "bf16"]
+    if refused is None:
+        assert load_run_config(DEBUG, overrides).zero.to_zero_config("bf16").mixed_precision == "bf16"
+        return
+    with pytest.raises(ValueError, match=refused):
+        load_run_config(DEBUG, overrides)
+
+
+@pytest.mark.parametrize(
     ("overrides", "counting"),
     [([], "deepspeed"), (["--zero.loss_scale_counting", "torch"], "torch")],
 )

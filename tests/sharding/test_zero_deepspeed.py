@@ -603,3 +603,14 @@ def test_an_engine_built_at_fp32_checks_the_dtype_keys_its_json_left_open():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match=r'data_types.grad_accum_dtype = "bf16" .*here fp32'):
         initialize(model, torch.optim.AdamW(model.parameters()), {"data_types": {"grad_accum_dtype": "bf16"}})
+
+
+def test_the_readers_that_return_a_bare_zero_config_check_its_dtype_keys():
+    # a ZeroConfig keeps no dtype keys, so they are checked where it is returned, at its precision
+    fp32_reduction_of_bf16 = {"zero_optimization": {"stage": 2}, "communication_data_type": "bf16"}
+    for read in (zero_config_from, zero_config_from_deepspeed, parse_deepspeed):
+        with pytest.raises(ValueError, match=r'communication_data_type = "bf16" .*here fp32'):
+            read(fp32_reduction_of_bf16)
+    accumulating_in_fp32 = {"data_types": {"grad_accum_dtype": "fp32"}}
+    with pytest.raises(ValueError, match=r'grad_accum_dtype = "fp32" .*here bf16'):
+        zero_config_from_deepspeed(accumulating_in_fp32, overrides={"mixed_precision": "bf16"})

@@ -7,8 +7,8 @@ in tests/assets/deepspeed/trainer_stage2_world2, and the script that wrote it:
 Two gloo processes on the CPU train the fixtures' tiny TNLG model (tests/support/deepspeed_fixtures.py)
 with the Trainer's own AdamW and linear warmup-decay schedule, DeepSpeed's ZeRO stage 2 and the JSON's
 "auto" values filled by the Trainer, for STEPS steps, saving `checkpoint-SAVE_AT` (the Trainer's files:
-trainer_state.json, each process's rng_state_R.pth, model.safetensors; DeepSpeed's: `latest`,
-global_stepN/, the schedule's state inside its model states). A second Trainer under DeepSpeed resumes
+trainer_state.json, each process's rng_state_R.pth, model.safetensors, the schedule's scheduler.pt;
+DeepSpeed's: `latest`, global_stepN/). A second Trainer under DeepSpeed resumes
 that checkpoint: its logged losses after the save are what a ZeroTrainer resuming the same checkpoint
 must reproduce (and the learning rates it logged), in `record.json` beside it with those of the
 uninterrupted run. Only checkpoint-SAVE_AT
@@ -96,9 +96,13 @@ def write(rank: int, phase: str) -> None:
     torch.distributed.barrier()
 
 
-def resume_in_zero_trainer(rank: int, world: int, stage: int, output_dir: str, checkpoint: str) -> dict:
+def resume_in_zero_trainer(
+    rank: int, world: int, stage: int, output_dir: str, checkpoint: str, best: bool = False
+) -> dict:
     """A ZeroTrainer with the run's DeepSpeed JSON (at `stage`) resuming `checkpoint` at `world` processes:
-    what it logged at each step (`logged`) and the steps it reached."""
+    what it logged at each step (`logged`) and the steps it reached. `best`: after training, the best
+    model is loaded from `checkpoint` (a resumed run whose best checkpoint is still the DeepSpeed run's)
+    and the parameters it gives come back too."""
     from tnlg.trainer import ZeroTrainer
 
     config = {**DEEPSPEED_JSON, "zero_optimization": {"stage": stage}}
@@ -109,7 +113,12 @@ def resume_in_zero_trainer(rank: int, world: int, stage: int, output_dir: str, c
         zero_config=config,
     )
     trainer.train(resume_from_checkpoint=checkpoint)
-    return {**logged(trainer), "global_step": trainer.state.global_step}
+    result = {**logged(trainer), "global_step": trainer.state.global_step}
+    if best:
+        trainer.state.best_model_checkpoint = checkpoint
+        trainer._load_best_model()
+        result["best"] = trainer.engine.full_state_dict()
+    return result
 
 
 def keep_the_checkpoint() -> None:

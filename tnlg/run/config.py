@@ -415,7 +415,9 @@ class _ZeroSectionBase:
     moved_keys = {"mixed_precision": "train.mixed_precision"}
 
     def __post_init__(self) -> None:
-        self.to_zero_config("no")  # every value checked when the config is read, not mid-run
+        # every value checked when the config is read, not mid-run; the dtype keys against the run's
+        # precision once train.mixed_precision is known (TrainingConfig)
+        self.engine_settings(None)
 
     def explicit(self) -> dict[str, Any]:
         """The ZeroConfig fields this section sets."""
@@ -429,15 +431,16 @@ class _ZeroSectionBase:
         """The engine's config for a run at `mixed_precision` (train.mixed_precision)."""
         return self.engine_settings(mixed_precision).zero
 
-    def engine_settings(self, mixed_precision: str) -> DeepSpeedConfig:
+    def engine_settings(self, mixed_precision: str | None) -> DeepSpeedConfig:
         """What `ZeroAccelerator(zero_config=...)` takes: the ZeroConfig and, with `deepspeed`, the JSON's
         training keys (its gradient accumulation and batch sizes, which the accelerator checks against
-        train.gradient_accumulation_steps and the world size)."""
+        train.gradient_accumulation_steps and the world size). `mixed_precision` None: the section alone,
+        before the run's precision is known (the JSON's dtype keys then wait for it)."""
         explicit = self.explicit()
         if self.deepspeed is None:
             try:
                 zero = ZeroConfig(
-                    **{"stage": RUN_DEFAULT_STAGE, **explicit, "mixed_precision": mixed_precision}
+                    **{"stage": RUN_DEFAULT_STAGE, **explicit, "mixed_precision": mixed_precision or "no"}
                 )
             except ValueError as error:
                 raise ValueError(f"zero: {error}") from error
@@ -445,12 +448,13 @@ class _ZeroSectionBase:
         # A JSON that names no stage means DeepSpeed's 0 to DeepSpeed; to a run, the run's stage (its
         # own default unless zero.stage says), applied before the JSON's fields are checked together.
         defaults = {"stage": explicit.get("stage", RUN_DEFAULT_STAGE)}
-        settings = (
-            load_deepspeed(self.deepspeed, defaults=defaults, mixed_precision=mixed_precision)
-            .with_overrides(explicit, {name: f"zero.{name}" for name in explicit})
-            .with_mixed_precision(mixed_precision, f"train.mixed_precision {mixed_precision}")
-            .with_checked_dtypes()
+        auto = {"mixed_precision": mixed_precision} if mixed_precision else {}
+        settings = load_deepspeed(self.deepspeed, defaults=defaults, **auto).with_overrides(
+            explicit, {name: f"zero.{name}" for name in explicit}
         )
+        if mixed_precision is not None:
+            given = f"train.mixed_precision {mixed_precision}"
+            settings = settings.with_mixed_precision(mixed_precision, given).with_checked_dtypes(given)
         # A run builds its AdamW and warmup-cosine schedule from the optimizer section; a second one from
         # the JSON would be ignored or would fight it.
         for section in ("optimizer", "scheduler"):
@@ -494,6 +498,7 @@ class TrainingConfig:
         self.parallel.check_schedule(
             "train.gradient_accumulation_steps", train.gradient_accumulation_steps, train.micro_batch_size
         )
+        self.zero.engine_settings(train.mixed_precision)  # the DeepSpeed JSON's dtypes at the run's precision
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
