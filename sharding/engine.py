@@ -496,7 +496,9 @@ class ZeroEngine(nn.Module):
             self.lr_scheduler.load_deepspeed_state(schedule)
         elif schedule is not None:
             logger.warning(
-                "%s holds an lr schedule's state, but this engine has no scheduler to restore", directory
+                "%s holds an lr schedule's state, which this engine has no scheduler of its own to take: it is "
+                "returned as the load's lr_scheduler (a ZeroTrainer gives it to the Trainer's scheduler)",
+                directory,
             )
         self.micro_steps = 0
         return summary

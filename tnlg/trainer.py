@@ -31,7 +31,7 @@ neither, it is a plain `Trainer`. What the engine changes:
   trainer is built (see tnlg/shared_storage.py).
 - `resume_from_checkpoint` also takes a checkpoint-N of a Trainer run under DeepSpeed (`deepspeed=` in
   TrainingArguments, ZeRO stage 1-3): the engine reads DeepSpeed's files at this run's world size and
-  stage, the scheduler its scheduler.pt, and the Trainer its own state and RNG files.
+  stage, the scheduler its scheduler.pt (or DeepSpeed's copy), and the Trainer its own state and RNG files.
 - `save_only_model=True` checkpoints hold the consolidated weights alone: `load_best_model_at_end` loads
   them into the engine as the plain Trainer loads them into its model (exact: they are the fp32 master
   weights; stages 0-2 without tensor slicing or pipeline stages, whose engines take a full state dict;

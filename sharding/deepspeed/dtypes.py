@@ -37,8 +37,9 @@ def check_dtype_keys(keys: Mapping[str, Any], mixed_precision: str | None) -> No
 
 
 def _check_communication_dtype(raw: Any, compute: str) -> None:
-    """tnlg reduces gradients in the compute dtype, as DeepSpeed does by default: any other is refused."""
-    if raw is None or raw == "auto" or raw == compute:
+    """tnlg reduces gradients in the compute dtype, as DeepSpeed does by default: any other is refused
+    (named in any case, as DeepSpeed lower-cases it)."""
+    if raw is None or raw == "auto" or (isinstance(raw, str) and raw.lower() == compute):
         return
     raise ValueError(
         f"invalid DeepSpeed config: communication_data_type = {json.dumps(raw)} is not supported (tnlg "

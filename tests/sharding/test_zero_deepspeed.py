@@ -568,6 +568,11 @@ def test_data_types_at_what_the_engine_does_are_accepted_and_typos_named():
     }
     assert load_deepspeed({"bf16": {"enabled": True}, "data_types": same}).zero.mixed_precision == "bf16"
     assert load_deepspeed({"data_types": {"grad_accum_dtype": "float32"}}).zero.mixed_precision == "no"
+    # DeepSpeed lower-cases communication_data_type
+    assert (
+        load_deepspeed({"bf16": {"enabled": True}, "communication_data_type": "BF16"}).zero.mixed_precision
+        == "bf16"
+    )
     with pytest.raises(
         ValueError, match=r"unknown keys data_types\.grad_acum_dtype \(did you mean 'grad_accum_dtype'"
     ):
